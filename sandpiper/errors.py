@@ -1,0 +1,46 @@
+"""The one exception hierarchy of the project.
+
+Every project exception derives from :class:`SandpiperError` and also from the built-in it
+resembles, so callers can catch either ``SandpiperError`` or, say, ``TimeoutError``.
+Collector, store, trainer and analysis all import from here (a leaf module with no imports).
+"""
+
+
+class SandpiperError(Exception):
+    """Base class of every error raised on purpose by Sandpiper."""
+
+
+class ConfigError(SandpiperError, ValueError):
+    """A config file or override is malformed or names a field that does not exist."""
+
+
+class StoreError(SandpiperError, RuntimeError):
+    """The trajectory store cannot do what was asked."""
+
+
+class StoreLockTimeout(StoreError, TimeoutError):
+    """Another process held the store's lock for longer than the configured wait."""
+
+
+class SchemaVersionError(StoreError):
+    """The store was written by another schema version; the message says what to do."""
+
+
+class SandboxError(SandpiperError, RuntimeError):
+    """A sandbox could not be started, reached or cleaned up (an infrastructure failure)."""
+
+
+class SandboxLimitsNotEnforced(SandboxError):
+    """The host does not enforce a resource limit the config asks for."""
+
+
+class InferenceError(SandpiperError, RuntimeError):
+    """The inference server failed or returned something unusable."""
+
+
+class TaskError(SandpiperError, ValueError):
+    """A task file or task folder is malformed."""
+
+
+class LearnerError(SandpiperError, RuntimeError):
+    """The learner cannot continue (bad checkpoint, inconsistent store state, ...)."""

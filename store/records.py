@@ -1,0 +1,259 @@
+"""Typed records that cross between collector, store and learner. Nothing else crosses.
+
+The collector builds :class:`GroupRecord` objects (a GRPO group of episodes, each a list of
+turns with the exact token ids the model saw and sampled) and hands them to the store's
+writer. The learner receives :class:`TrainBatch` objects from the store's reader: the same
+episodes flattened into per-token numpy arrays ready for packing.
+
+Conventions:
+- Array fields end in ``_T`` (one entry per token); they are numpy arrays, never lists.
+- ``None`` means "not applicable" and is documented per field.
+- Timestamps are timezone-aware UTC datetimes; durations are milliseconds (``_ms``).
+- Token ids of all turns of an episode, concatenated in turn order, are exactly the context
+  the model saw; the learner trains on those ids, never on re-tokenized text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class StopReason(StrEnum):
+    """Why an episode ended. Infra kinds make the episode invalid (see ``INFRA_STOPS``)."""
+
+    SUBMITTED = "submitted"
+    MAX_TURNS = "max_turns"
+    MAX_TOKENS = "max_tokens"
+    CONTEXT_EXCEEDED = "context_exceeded"
+    NO_TOOL_CALL = "no_tool_call"
+    """The model answered without calling a tool (the final message is its answer)."""
+    MODEL_ERROR = "model_error"
+    SANDBOX_DIED = "sandbox_died"
+    INFRA_ERROR = "infra_error"
+    CANCELLED = "cancelled"
+
+
+INFRA_STOPS = frozenset(
+    {StopReason.MODEL_ERROR, StopReason.SANDBOX_DIED, StopReason.INFRA_ERROR, StopReason.CANCELLED}
+)
+"""Stops caused by our infrastructure, not the policy: such episodes are invalid, never 0."""
+
+
+class GroupStatus(StrEnum):
+    COLLECTING = "collecting"
+    READY = "ready"
+    CLAIMED = "claimed"
+    """Taken by a learner step that has not registered its policy yet (lease-protected)."""
+    CONSUMED = "consumed"
+    DROPPED_STALE = "dropped_stale"
+    INVALID = "invalid"
+    """Too few valid episodes to compute an advantage."""
+
+
+class Role(StrEnum):
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+class Split(StrEnum):
+    TRAIN = "train"
+    VALIDATION = "validation"
+
+
+class ToolErrorKind(StrEnum):
+    """What went wrong with one tool call; ``NONE`` when it ran (whatever its exit code)."""
+
+    NONE = "none"
+    BAD_JSON = "bad_json"
+    UNKNOWN_TOOL = "unknown_tool"
+    BAD_ARGUMENTS = "bad_arguments"
+    ARGUMENTS_TOO_LARGE = "arguments_too_large"
+    TOOL_ERROR = "tool_error"
+    """The tool ran and reported a usage error (e.g. str_replace found no match)."""
+    TIMED_OUT = "timed_out"
+    OOM_KILLED = "oom_killed"
+    SANDBOX_DIED = "sandbox_died"
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    run_id: str
+    """Human-readable unique run name."""
+    config_json: str
+    """The resolved run config as JSON."""
+    code_version: str
+    """``git describe`` of the code that started the run, or the package version."""
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRecord:
+    run_id: str
+    version: int
+    """0 is the initial model; each learner step registers version + 1."""
+    checkpoint_uri: str
+    """Folder with safetensors weights (untied output layer), tokenizer and config."""
+    parent_version: int | None
+    """Version this one was trained from; None for version 0."""
+    learner_step: int | None
+    """Learner step that produced it; None for version 0."""
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRecord:
+    task_id: str
+    source: str
+    """Where the task came from (file name or dataset name)."""
+    format: str
+    """``jsonl_math``, ``jsonl_qa``, ``folder``, ``llm_in_sandbox``, ..."""
+    instruction: str
+    reference: dict[str, Any]
+    """Reference data for the reward (answer, banned patterns, reward kind, ...)."""
+    data_uri: str | None
+    """Task folder with seed files and tests; None for prompt-only tasks."""
+    split: Split = Split.TRAIN
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallRecord:
+    index: int
+    """Position among the tool calls of its assistant turn."""
+    name: str
+    """Tool name as the model wrote it (may be unknown)."""
+    arguments_json: str
+    """Arguments as JSON text (the raw text when it did not parse)."""
+    output: str
+    """What the agent was shown (already capped head + tail)."""
+    output_bytes_total: int
+    """Bytes the tool produced before capping."""
+    exit_code: int | None
+    """Shell exit status; None for tools without one or when the command never finished."""
+    duration_ms: float
+    timed_out: bool
+    error_kind: ToolErrorKind = ToolErrorKind.NONE
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    index: int
+    role: Role
+    text: str
+    """Decoded text of this segment (for people; the learner uses token ids)."""
+    token_ids_T: np.ndarray
+    """int32 token ids of this segment as the model saw them (prompt) or sampled them."""
+    logprobs_T: np.ndarray | None
+    """float32 sampling logprobs of sampled tokens; None for non-sampled segments."""
+    policy_versions_T: np.ndarray | None
+    """int32 policy version that sampled each token; None for non-sampled segments."""
+    trainable: bool
+    """True for sampled assistant tokens (in the loss); False for prompt and tool output."""
+    started_at: datetime = field(default_factory=utcnow)
+    duration_ms: float = 0.0
+    tool_calls: tuple[ToolCallRecord, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeRecord:
+    episode_id: str
+    """Globally unique (uuid4 hex)."""
+    sample_index: int
+    """0..G-1 within its group."""
+    stop_reason: StopReason
+    valid: bool
+    """False for infrastructure failures: excluded from advantages, never scored 0."""
+    trainable: bool
+    """False for evaluation-mode episodes without token ids / logprobs."""
+    reward: float | None
+    """None when invalid or not scored."""
+    reward_breakdown: dict[str, Any]
+    """Components of the reward (tests passed, math_verify, banned-pattern penalty, ...)."""
+    turns: tuple[TurnRecord, ...]
+    started_at: datetime
+    duration_ms: float
+    sandbox_id: str | None
+    """Container that ran the episode; None without a sandbox."""
+    error: str | None = None
+    """Human-readable cause of an infra failure; None otherwise."""
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(t.token_ids_T) for t in self.turns if t.trainable)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(t.token_ids_T) for t in self.turns)
+
+    @property
+    def policy_version_range(self) -> tuple[int, int] | None:
+        """(min, max) version over sampled tokens; None when nothing was sampled."""
+        spans = [t.policy_versions_T for t in self.turns if t.policy_versions_T is not None]
+        spans = [s for s in spans if len(s)]
+        if not spans:
+            return None
+        return int(min(s.min() for s in spans)), int(max(s.max() for s in spans))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRecord:
+    group_id: str
+    """Deterministic id ``{run_id}/{task_id}/{request_seq}`` so a re-sent group dedups."""
+    run_id: str
+    task_id: str
+    split: Split
+    sampling_params: dict[str, Any]
+    episodes: tuple[EpisodeRecord, ...]
+    created_at: datetime = field(default_factory=utcnow)
+
+
+# ---- what the learner reads -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TrainEpisode:
+    episode_id: str
+    reward: float | None
+    valid: bool
+    token_ids_T: np.ndarray
+    """int32, all turns concatenated in order."""
+    loss_mask_T: np.ndarray
+    """bool, True on tokens sampled by the policy (trainable turns)."""
+    behaviour_logprobs_T: np.ndarray
+    """float32 sampling logprob of each token; NaN where ``loss_mask_T`` is False."""
+    policy_versions_T: np.ndarray
+    """int32 version that sampled each token; -1 where ``loss_mask_T`` is False."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainGroup:
+    group_id: str
+    task_id: str
+    min_policy_version: int
+    """Oldest policy version of any sampled token in the group (what staleness uses)."""
+    episodes: tuple[TrainEpisode, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainBatch:
+    claim_id: str
+    """Identifies this claim; pass it back when registering the trained policy."""
+    groups: tuple[TrainGroup, ...]
+    dropped_stale: int
+    """Groups marked ``dropped_stale`` while assembling this batch."""
+    current_version: int
+    """Latest registered policy version when the batch was claimed."""
+
+    @property
+    def group_ids(self) -> tuple[str, ...]:
+        return tuple(g.group_id for g in self.groups)
