@@ -1,0 +1,41 @@
+"""Test-wide plumbing.
+
+- ``require(service, available, why)``: integration tests call it when a real service
+  (podman, vLLM, PostgreSQL, chromium) is missing. Locally the test is skipped; in CI
+  (``CI=true``) it fails, so a broken install can never pass as "all skipped".
+- Every module in ``tests/fixtures/`` is loaded as a pytest plugin: each part keeps its
+  session fixtures (a vLLM server, a PostgreSQL database, a sandbox pool) there, and each
+  fixture cleans up what it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+REPO = Path(__file__).resolve().parent.parent
+
+pytest_plugins = [
+    f"tests.fixtures.{m.name}"
+    for m in pkgutil.iter_modules([str(Path(__file__).parent / "fixtures")])
+    if not m.name.startswith("_")
+]
+
+
+def require(service: str, available: bool, why: str = "") -> None:
+    """Skip (locally) or fail (in CI) when ``service`` is not available."""
+    if available:
+        return
+    message = f"{service} is not available{': ' + why if why else ''}"
+    if IN_CI:
+        pytest.fail(f"{message} (CI=true: a missing service is a failure)", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
