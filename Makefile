@@ -1,0 +1,36 @@
+# Sandpiper: the two commands a new user needs are `make demo` and `make test`.
+# Both run `setup` first, which is idempotent (see scripts/setup.sh).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-unit lint bench clean help
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+setup:  ## install system packages (as root), the venv, the sandbox image and the tiny model
+	bash scripts/setup.sh
+
+demo: setup  ## run the whole pipeline on the embedded defaults
+	$(VENV)/bin/sandpiper demo
+
+test: setup  ## run every test tier (unit, integration, e2e)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit:  ## fast tests only (no services)
+	bash scripts/setup.sh venv
+	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+
+lint:  ## ruff check, ruff format --check, mypy
+	bash scripts/setup.sh venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+bench: setup  ## run every benchmark (each prints its ratio against a baseline from the same run)
+	@mkdir -p runs/bench
+	@for b in bench/*_bench.py; do echo "== $$b"; $(PY) $$b --json | tee runs/bench/$$(basename $$b .py).log | tail -n 1; done
+
+clean:  ## remove run outputs (keeps the venv and the image)
+	rm -rf runs/*/ .pytest_cache

