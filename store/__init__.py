@@ -1,1 +1,10 @@
-"""store."""
+"""The trajectory store: schema, batched writer, learner reader, DuckDB and PostgreSQL.
+
+``Store(url)`` is the entry point; ``Store.writer()`` returns a :class:`GroupWriter`.
+Importing ``store`` is cheap (SQLAlchemy and pyarrow, no duckdb/psycopg until a Store opens).
+"""
+
+from store.store import Store
+from store.writer import GroupWriter
+
+__all__ = ["GroupWriter", "Store"]

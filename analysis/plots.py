@@ -1,0 +1,189 @@
+"""The report's figures: each function takes polars DataFrames from :mod:`analysis.api`
+and returns a matplotlib Figure (Agg backend; nothing is shown on screen).
+
+An empty input gives a figure that says "no data" rather than an error, so a report of a
+run that has not trained yet still renders every section.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import polars as pl
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+FIG_SIZE = (7.0, 3.6)
+
+
+def _figure() -> tuple[Figure, Axes]:
+    from matplotlib.figure import Figure
+
+    # Figure() directly (not pyplot): no global state, no GUI backend, nothing to close.
+    fig = Figure(figsize=FIG_SIZE, dpi=100, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _no_data(ax: Axes, title: str) -> None:
+    ax.set_title(title)
+    ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
+def reward_by_version(df: pl.DataFrame) -> Figure:
+    fig, ax = _figure()
+    title = "Reward and pass rate by policy version"
+    if df.is_empty():
+        _no_data(ax, title)
+        return fig
+    versions = df["policy_version"].to_list()
+    mean = df["reward_mean"].fill_null(float("nan")).to_numpy()
+    std = df["reward_std"].fill_null(0.0).to_numpy()
+    ax.errorbar(versions, mean, yerr=std, marker="o", capsize=3, label="reward (mean ± std)")
+    ax.plot(versions, df["pass_rate"].to_list(), marker="s", label="pass rate")
+    ax.set(title=title, xlabel="policy version that started the episode", ylabel="reward")
+    ax.set_xticks(versions)
+    ax.legend(loc="best")
+    return fig
+
+
+def reward_over_time(df: pl.DataFrame) -> Figure:
+    fig, ax = _figure()
+    title = "Reward over time (per minute of episode start)"
+    if df.is_empty():
+        _no_data(ax, title)
+        return fig
+    ax.plot(df["minute"].to_list(), df["reward_mean"].to_list(), marker=".", label="reward")
+    ax.plot(df["minute"].to_list(), df["pass_rate"].to_list(), alpha=0.6, label="pass rate")
+    ax.set(title=title, xlabel="time (UTC)", ylabel="mean over valid episodes")
+    ax.legend(loc="best")
+    fig.autofmt_xdate()
+    return fig
+
+
+def pass_rate_by_task(df: pl.DataFrame, max_tasks: int = 30) -> Figure:
+    fig, ax = _figure()
+    title = "Pass rate per task"
+    df = df.filter(df["n_valid"] > 0).sort("pass_rate").head(max_tasks)
+    if df.is_empty():
+        _no_data(ax, title)
+        return fig
+    ax.barh(df["task_id"].to_list(), df["pass_rate"].to_list(), color="tab:green")
+    ax.set(title=f"{title} (lowest {df.height})", xlabel="pass rate", xlim=(0, 1))
+    return fig
+
+
+def staleness(df: pl.DataFrame) -> Figure:
+    fig, ax = _figure()
+    title = "Staleness of consumed groups"
+    consumed = df.filter(df["status"] == "consumed")
+    dropped = int(df.filter(df["status"] == "dropped_stale")["n_groups"].sum() or 0)
+    if consumed.is_empty() and not dropped:
+        _no_data(ax, title)
+        return fig
+    ax.bar(consumed["staleness"].to_list(), consumed["n_groups"].to_list(), label="consumed")
+    ax.set(
+        title=f"{title} ({dropped} dropped as stale)",
+        xlabel="versions behind the learner",
+        ylabel="groups",
+    )
+    ax.set_xticks(consumed["staleness"].to_list())
+    return fig
+
+
+def importance_weights(df: pl.DataFrame) -> Figure:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(FIG_SIZE[0], FIG_SIZE[1] * 1.4), dpi=100, layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    if df.is_empty():
+        _no_data(top, "Importance weights per learner step")
+        bottom.set_axis_off()
+        return fig
+    steps = df["step"].to_list()
+    top.fill_between(
+        steps,
+        df["is_weight_min"].to_list(),
+        df["is_weight_max"].to_list(),
+        alpha=0.25,
+        label="min … max",
+    )
+    top.plot(steps, df["is_weight_mean"].to_list(), marker="o", label="mean")
+    top.axhline(1.0, color="grey", lw=0.8, ls="--")
+    top.set(title="Importance weights per learner step", ylabel="w = π_prox / π_behav")
+    top.legend(loc="best")
+    for name in ("ess", "clipped_frac", "masked_frac"):
+        bottom.plot(steps, df[name].to_list(), marker=".", label=name)
+    kl = bottom.twinx()
+    kl.plot(steps, df["kl_sampler_learner"].to_list(), color="black", ls=":", label="KL (right)")
+    kl.set_ylabel("KL sampler→learner")
+    bottom.set(xlabel="learner step", ylabel="fraction")
+    bottom.set_xticks(steps)
+    lines = bottom.get_lines() + kl.get_lines()
+    bottom.legend(lines, [line.get_label() for line in lines], loc="center left", fontsize=8)
+    return fig
+
+
+def tool_usage(df: pl.DataFrame) -> Figure:
+    fig, ax = _figure()
+    title = "Tool calls (errors and time-outs)"
+    if df.is_empty():
+        _no_data(ax, title)
+        return fig
+    tools = df["tool"].to_list()
+    ok = (df["n_calls"] - df["n_errors"]).to_list()
+    ax.barh(tools, ok, label="ran", color="tab:blue")
+    timeouts = df["n_timeouts"].to_list()
+    other = (df["n_errors"] - df["n_timeouts"]).to_list()
+    ax.barh(tools, other, left=ok, label="error", color="tab:red")
+    left = [a + b for a, b in zip(ok, other, strict=True)]
+    ax.barh(tools, timeouts, left=left, label="timed out", color="tab:orange")
+    for y, (n, p95) in enumerate(zip(df["n_calls"], df["duration_ms_p95"], strict=True)):
+        ax.text(n, y, f"  p95 {p95:.0f} ms", va="center", fontsize=8)
+    ax.set(title=title, xlabel="calls")
+    ax.set_xlim(0, max(df["n_calls"].to_list()) * 1.3)  # room for the p95 labels
+    ax.legend(loc="upper right", fontsize=8)
+    return fig
+
+
+def failure_breakdown(df: pl.DataFrame) -> Figure:
+    fig, ax = _figure()
+    title = "Failures: episode outcomes and tool-call errors"
+    if df.is_empty():
+        _no_data(ax, title)
+        return fig
+    labels = [
+        f"{lvl}: {kind}{' (infra)' if infra else ''}"
+        for lvl, kind, infra in zip(df["level"], df["kind"], df["infra"], strict=True)
+    ]
+    colors = ["tab:red" if infra else "tab:gray" for infra in df["infra"]]
+    ax.barh(labels, df["n"].to_list(), color=colors)
+    ax.invert_yaxis()
+    ax.set(title=title, xlabel="count")
+    return fig
+
+
+def episode_lengths(episodes: pl.DataFrame) -> Figure:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(FIG_SIZE[0], FIG_SIZE[1]), dpi=100, layout="constrained")
+    axes = fig.subplots(1, 3)
+    if episodes.is_empty():
+        _no_data(axes[0], "Episode lengths")
+        for ax in axes[1:]:
+            ax.set_axis_off()
+        return fig
+    for ax, (col, label) in zip(
+        axes,
+        [("n_turns", "turns"), ("completion_tokens", "sampled tokens"), ("duration_ms", "seconds")],
+        strict=True,
+    ):
+        values = episodes[col].to_numpy()
+        if col == "duration_ms":
+            values = values / 1000.0
+        ax.hist(values, bins=20, color="tab:purple")
+        ax.set(xlabel=label)
+    axes[0].set_ylabel("episodes")
+    fig.suptitle("Episode length distributions")
+    return fig

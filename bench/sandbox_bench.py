@@ -1,0 +1,178 @@
+"""Sandbox benchmark: persistent shell vs per-call ``podman exec`` vs bare local ``bash -c``.
+
+Measured in one run, on this host:
+
+- round trip of a trivial command (``true``) at 1, 8 and 16 concurrent sandboxes through
+  (a) the persistent shell, (b) ``podman exec CID true``, (c) a local ``bash -c true``
+  (the baseline: what running the command costs without any sandbox);
+- ``shell_overhead_ms_p50`` / ``_p99``: the shell's latency quantile minus the same quantile
+  of bare bash at the same concurrency (16), i.e. what the sandbox adds on top of running
+  bash (a negative value: the sandbox path was faster than spawning from the host's asyncio);
+- ``speedup_vs_podman_exec``: shell throughput / ``podman exec`` throughput at 16;
+- ``acquire_ms_p50``: taking a warm sandbox from the pool; ``reset_ms_p50``: one reset;
+- ``cold_start_ratio``: starting a sandbox (container + shell ready) / ``podman run --rm IMAGE
+  true``.
+
+Goals (issue 4): overhead p50 ≤ 2 ms, p99 ≤ 20 ms, speed-up ≥ 50×, acquire ≤ 5 ms.
+
+Run: ``.venv/bin/python bench/sandbox_bench.py [--json] [--commands 200]`` (needs podman and
+the image from ``sandpiper sandbox build-image``; about one minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+
+from collector.sandbox.image import ensure_image
+from collector.sandbox.podman import PodmanSandbox, run_podman
+from collector.sandbox.pool import SandboxPool
+from sandpiper.config import SandboxConfig
+
+CONCURRENCY = (1, 8, 16)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+async def timed(fn: Callable[[], Awaitable[object]]) -> float:
+    started = time.perf_counter()
+    await fn()
+    return (time.perf_counter() - started) * 1000
+
+
+async def loops(
+    workers: list[Callable[[], Awaitable[object]]], n: int
+) -> tuple[list[float], float]:
+    """Run each worker ``n`` times in sequence, all workers concurrently: (latencies, wall s)."""
+    latencies: list[float] = []
+
+    async def one(worker: Callable[[], Awaitable[object]]) -> None:
+        for _ in range(n):
+            latencies.append(await timed(worker))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(w) for w in workers))
+    return latencies, time.perf_counter() - started
+
+
+async def bare_bash() -> None:
+    proc = await asyncio.create_subprocess_exec("bash", "-c", "true")
+    await proc.wait()
+
+
+def podman_exec(name: str) -> Callable[[], Awaitable[object]]:
+    return lambda: run_podman("exec", name, "true")
+
+
+def shell_exec(box: PodmanSandbox) -> Callable[[], Awaitable[object]]:
+    async def run() -> None:
+        result = await box.exec("true", timeout_s=30)
+        assert result.ok, result
+
+    return run
+
+
+async def cold_start(config: SandboxConfig, pool: SandboxPool, n: int) -> tuple[float, float]:
+    """Median ms of (our sandbox start incl. shell, ``podman run --rm IMAGE true``)."""
+    ours, baseline = [], []
+    uids = pool._uids
+    assert uids is not None
+    for _ in range(n):
+        slot = uids.acquire()
+        started = time.perf_counter()
+        box = await PodmanSandbox.create(config, labels=pool.labels, uid_base=uids.base(slot))
+        ours.append((time.perf_counter() - started) * 1000)
+        await box.close()
+        uids.release(slot)
+        baseline.append(await timed(lambda: run_podman("run", "--rm", config.image, "true")))
+    return statistics.median(ours), statistics.median(baseline)
+
+
+async def bench(n_commands: int, n_podman: int) -> dict[str, float]:
+    config = SandboxConfig(pool_size=max(CONCURRENCY), max_concurrent_starts=4)
+    ensure_image(config.image)
+    pool = SandboxPool(config, labels={"sandpiper.run": "bench"})
+    out: dict[str, float] = {}
+    try:
+        await pool.start()
+        await pool.wait_warm(timeout_s=300)
+        boxes = [await pool.acquire(episode_id=f"b{i}", task_id="bench") for i in range(16)]
+        for c in CONCURRENCY:
+            bare, _bare_wall = await loops([bare_bash] * c, n_commands)
+            shell, shell_wall = await loops([shell_exec(b) for b in boxes[:c]], n_commands)
+            pexec, pexec_wall = await loops([podman_exec(b.id) for b in boxes[:c]], n_podman)
+            out[f"bare_bash_ms_p50_c{c}"] = statistics.median(bare)
+            out[f"bare_bash_ms_p99_c{c}"] = pct(bare, 99)
+            out[f"shell_ms_p50_c{c}"] = statistics.median(shell)
+            out[f"shell_ms_p99_c{c}"] = pct(shell, 99)
+            out[f"podman_exec_ms_p50_c{c}"] = statistics.median(pexec)
+            # quantile minus quantile: the tail both share (CPU queueing of c concurrent
+            # commands on this host) cancels; what is left is what the sandbox adds
+            out[f"shell_overhead_ms_p50_c{c}"] = (
+                out[f"shell_ms_p50_c{c}"] - out[f"bare_bash_ms_p50_c{c}"]
+            )
+            out[f"shell_overhead_ms_p99_c{c}"] = (
+                out[f"shell_ms_p99_c{c}"] - out[f"bare_bash_ms_p99_c{c}"]
+            )
+            out[f"shell_cmds_per_s_c{c}"] = len(shell) / shell_wall
+            out[f"podman_exec_cmds_per_s_c{c}"] = len(pexec) / pexec_wall
+        out["shell_overhead_ms_p50"] = out["shell_overhead_ms_p50_c16"]
+        out["shell_overhead_ms_p99"] = out["shell_overhead_ms_p99_c16"]
+        out["speedup_vs_podman_exec"] = (
+            out["shell_cmds_per_s_c16"] / out["podman_exec_cmds_per_s_c16"]
+        )
+        resets = [await timed(b.reset) for b in boxes for _ in range(2)]
+        out["reset_ms_p50"] = statistics.median(resets)
+        for b in boxes:
+            await pool.release(b)
+        acquires = []
+        for i in range(30):
+            await pool.wait_warm(timeout_s=120)
+            started = time.perf_counter()
+            box = await pool.acquire(episode_id=f"a{i}", task_id="bench")
+            acquires.append((time.perf_counter() - started) * 1000)
+            await pool.release(box)
+        out["acquire_ms_p50"] = statistics.median(acquires)
+        ours, baseline = await cold_start(config, pool, 5)
+        out["cold_start_ms_p50"], out["podman_run_true_ms_p50"] = ours, baseline
+        out["cold_start_ratio"] = ours / baseline
+    finally:
+        await pool.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="Print one JSON object last.")
+    parser.add_argument("--commands", type=int, default=200, help="Shell/bash calls per worker.")
+    parser.add_argument("--podman-calls", type=int, default=5, help="podman exec per worker.")
+    args = parser.parse_args()
+    out = asyncio.run(bench(args.commands, args.podman_calls))
+    for c in CONCURRENCY:
+        print(
+            f"c={c:2}: shell {out[f'shell_ms_p50_c{c}']:.2f} ms, bare bash "
+            f"{out[f'bare_bash_ms_p50_c{c}']:.2f} ms, podman exec "
+            f"{out[f'podman_exec_ms_p50_c{c}']:.0f} ms (p50); shell/podman-exec throughput "
+            f"{out[f'shell_cmds_per_s_c{c}'] / out[f'podman_exec_cmds_per_s_c{c}']:.0f}x"
+        )
+    print(f"shell overhead over bare bash at 16: p50 {out['shell_overhead_ms_p50']:.2f} ms, "
+          f"p99 {out['shell_overhead_ms_p99']:.2f} ms")  # fmt: skip
+    print(f"speed-up vs podman exec at 16: {out['speedup_vs_podman_exec']:.0f}x")
+    print(
+        f"warm acquire p50 {out['acquire_ms_p50']:.3f} ms; reset p50 {out['reset_ms_p50']:.1f} ms"
+    )
+    print(f"cold start {out['cold_start_ms_p50']:.0f} ms vs podman run --rm true "
+          f"{out['podman_run_true_ms_p50']:.0f} ms: ratio {out['cold_start_ratio']:.2f}")  # fmt: skip
+    if args.json:
+        print(json.dumps({k: round(v, 4) for k, v in out.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Token-in / token-out :class:`PolicyClient` over one or more vLLM servers.
+
+Generation uses vLLM's ``POST /inference/v1/generate`` (servers started with
+``--enable-scale-out``): token ids in, sampled token ids out, with the logprob of each
+sampled token (``logprobs: 0``) and ``weight_versions`` spans saying which weight version
+produced which output tokens. Whether those logprobs are raw (before temperature / top-p,
+vLLM's default) or processed is the *server's* ``--logprobs-mode``; Sandpiper runs servers
+with ``InferenceConfig.logprobs_mode`` (default ``raw_logprobs``) and the learner computes
+the same kind.
+
+Routing: each request goes to the server with the fewest outstanding requests (ties go to
+the server that was picked least recently).
+
+Retries: a request that times out, cannot connect or gets a 5xx is retried (tenacity,
+exponential back-off) on another server when there is one. The caller receives exactly one
+:class:`Generation` per call: a failed attempt returns nothing, and an attempt abandoned by a
+timeout is cancelled on the server (vLLM aborts a request whose client disconnects), so no
+sample is ever produced twice. 4xx answers are not retried (the request itself is wrong);
+a prompt longer than the context raises :class:`ContextLengthExceeded`.
+
+Weight reload (:meth:`VLLMPolicyClient.reload`): on every server,
+``/pause?mode=keep&clear_cache=true`` (in-flight requests are frozen, not aborted; the KV and
+prefix caches are dropped), ``/collective_rpc reload_weights`` from the checkpoint folder,
+``/update_weight_version``, ``/resume``. In-flight requests continue on the new weights (their
+prefix is recomputed) and their later tokens carry the new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+import numpy as np
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from collector.inference.base import Generation, SamplingParams
+from sandpiper.errors import InferenceError
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/inference/v1/generate"
+_CONTEXT_ERROR_MARKERS = ("maximum model length", "maximum context length", "max_model_len")
+"""Phrases of vLLM's 400 answer when a prompt does not fit (vLLM 0.32 says the first)."""
+
+
+class ContextLengthExceeded(InferenceError):
+    """The prompt plus ``max_tokens`` does not fit the server's ``--max-model-len``."""
+
+
+class _Retryable(InferenceError):
+    """An attempt failed in a way another attempt may not (5xx, timeout, connection)."""
+
+
+class VLLMPolicyClient:
+    """:class:`~collector.inference.base.PolicyClient` over vLLM servers (async context manager)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        request_timeout_s: float = 120.0,
+        max_retries: int = 3,
+        initial_version: int = 0,
+        retry_wait_s: float = 0.5,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if not urls:
+            raise InferenceError("VLLMPolicyClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.retry_wait_s = retry_wait_s
+        self._version = initial_version
+        self.outstanding = dict.fromkeys(self.urls, 0)
+        """Requests in flight per server (what routing balances)."""
+        self._last_pick = dict.fromkeys(self.urls, -1)
+        self._picks = itertools.count()
+        self._reload_lock = asyncio.Lock()
+        # one pooled client for all servers; per-request timeouts come from request_timeout_s
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            transport=transport,
+        )
+
+    @property
+    def policy_version(self) -> int:
+        """Version the servers serve now (the last successful :meth:`reload`)."""
+        return self._version
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Sample one continuation of ``prompt_ids``; exactly one Generation per call."""
+        if not prompt_ids:
+            raise InferenceError("empty prompt")
+        body = {
+            "token_ids": list(prompt_ids),
+            "sampling_params": {
+                "max_tokens": params.max_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "seed": params.seed,
+                "stop_token_ids": list(params.stop_token_ids),
+                "logprobs": 0,  # the sampled token's own logprob only
+                "detokenize": False,
+            },
+        }
+        request_id = uuid.uuid4().hex
+        tried: list[str] = []
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.max_retries + 1),
+            wait=wait_exponential(multiplier=self.retry_wait_s, max=10.0),
+            retry=retry_if_exception(lambda e: isinstance(e, _Retryable)),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                url = self._pick(avoid=tried)
+                tried.append(url)
+                # a fresh id per attempt: the abandoned attempt may still be aborting
+                body["request_id"] = f"{request_id}-{attempt.retry_state.attempt_number}"
+                version_at_send = self._version
+                payload = await self._post_generate(url, body)
+                return _to_generation(payload, url, version_at_send)
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+    def _pick(self, avoid: Sequence[str] = ()) -> str:
+        """Least outstanding requests first; prefer servers not yet tried for this request."""
+        candidates = [u for u in self.urls if u not in avoid] or self.urls
+        url = min(candidates, key=lambda u: (self.outstanding[u], self._last_pick[u]))
+        self._last_pick[url] = next(self._picks)
+        return url
+
+    async def _post_generate(self, url: str, body: dict) -> dict:
+        self.outstanding[url] += 1
+        try:
+            response = await self._http.post(url + GENERATE_PATH, json=body)
+        except httpx.TimeoutException as e:
+            raise _Retryable(f"{url}: request timed out after {self.request_timeout_s} s") from e
+        except httpx.TransportError as e:
+            raise _Retryable(f"{url}: {type(e).__name__}: {e}") from e
+        finally:
+            self.outstanding[url] -= 1
+        if response.status_code >= 500:
+            raise _Retryable(f"{url}: HTTP {response.status_code}: {response.text[:300]}")
+        if response.status_code != 200:
+            text = response.text[:500]
+            if any(m in text for m in _CONTEXT_ERROR_MARKERS):
+                raise ContextLengthExceeded(f"{url}: {text}")
+            raise InferenceError(f"{url}: HTTP {response.status_code}: {text}")
+        return response.json()
+
+    async def reload(self, checkpoint_dir: str | Path, version: int) -> None:
+        """Load ``checkpoint_dir`` in place on every server and label new tokens ``version``."""
+        async with self._reload_lock:
+            await asyncio.gather(
+                *(self._reload_one(url, str(checkpoint_dir), version) for url in self.urls)
+            )
+            self._version = version
+
+    async def _reload_one(self, url: str, checkpoint_dir: str, version: int) -> None:
+        # keep: in-flight requests are frozen, not aborted. clear_cache: vLLM 0.32 then
+        # preempts them and drops the prefix cache, so after /resume every token (in-flight or
+        # new) is computed from a KV cache rebuilt with the new weights, never a stale one.
+        await self._control(url, "/pause", params={"mode": "keep", "clear_cache": "true"})
+        try:
+            await self._control(
+                url,
+                "/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint_dir}},
+            )
+            await self._control(url, "/update_weight_version", json={"new_version": str(version)})
+        finally:
+            # always resume: a server left paused would hang every later request
+            await self._control(url, "/resume")
+        log.info("%s now serves version %d from %s", url, version, checkpoint_dir)
+
+    async def set_version(self, version: int) -> None:
+        """Label the weights the servers hold now as ``version`` (no reload)."""
+        await asyncio.gather(
+            *(
+                self._control(url, "/update_weight_version", json={"new_version": str(version)})
+                for url in self.urls
+            )
+        )
+        self._version = version
+
+    async def _control(self, url: str, path: str, **kwargs) -> dict:
+        try:
+            response = await self._http.post(url + path, **kwargs)
+        except httpx.HTTPError as e:
+            raise InferenceError(f"{url}{path}: {type(e).__name__}: {e}") from e
+        if response.status_code != 200:
+            raise InferenceError(f"{url}{path}: HTTP {response.status_code}: {response.text[:300]}")
+        return response.json() if response.content else {}
+
+    async def healthy(self) -> dict[str, bool]:
+        """``/health`` of every server."""
+
+        async def one(url: str) -> bool:
+            try:
+                return (await self._http.get(url + "/health", timeout=5.0)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        return dict(zip(self.urls, await asyncio.gather(*map(one, self.urls)), strict=True))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> VLLMPolicyClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def _to_generation(payload: dict, url: str, version_at_send: int) -> Generation:
+    """Turn a ``/inference/v1/generate`` answer into a Generation (validating its shape)."""
+    try:
+        choice = payload["choices"][0]
+        token_ids = choice["token_ids"] or []
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [entry["logprob"] for entry in content]
+        spans = choice.get("weight_versions") or []
+    except (KeyError, IndexError, TypeError) as e:
+        raise InferenceError(f"{url}: malformed generate response: {e!r}") from e
+    if len(logprobs) != len(token_ids):
+        raise InferenceError(
+            f"{url}: {len(token_ids)} tokens but {len(logprobs)} logprobs (server too old?)"
+        )
+    return Generation(
+        token_ids_T=np.asarray(token_ids, dtype=np.int32),
+        logprobs_T=np.asarray(logprobs, dtype=np.float32),
+        policy_versions_T=versions_from_spans(spans, len(token_ids), version_at_send),
+        finish_reason=choice.get("finish_reason") or "abort",
+        server=url,
+    )
+
+
+def versions_from_spans(spans: list[dict], n_tokens: int, default_version: int) -> np.ndarray:
+    """Per-token int32 versions from vLLM's ``[{"version", "start", "end"}]`` spans.
+
+    Tokens no span covers, and spans whose version is not an integer (vLLM starts at
+    ``"default"`` until a version is set), get ``default_version``: the client's version when
+    the request was sent.
+    """
+    versions_T = np.full(n_tokens, default_version, dtype=np.int32)
+    for span in spans:
+        try:
+            version = int(span["version"])
+        except (TypeError, ValueError):
+            continue
+        start, end = max(0, int(span["start"])), min(n_tokens, int(span["end"]))
+        versions_T[start:end] = version
+    return versions_T

@@ -1,0 +1,162 @@
+"""Wiring: build the collector's real parts from a :class:`RunConfig` and run it.
+
+``await collect(config, stop=event)`` does, in order:
+
+1. load the tasks (and their split) and register the run and tasks in the store;
+2. remove containers left behind by collectors that are gone (``janitor.gc``: after a
+   SIGKILL, the dead collector's labelled containers);
+3. start the local vLLM servers (unless ``inference.server_urls`` is given) and a supervisor
+   that restarts a dead one, and a :class:`VLLMPolicyClient` over them;
+4. start the sandbox pool, open the store writer (which commits what a crashed collector
+   left in the spool) and flush it, so the journal can be reconciled with the store;
+5. run :class:`collector.daemon.Collector` until ``stop`` is set, then close everything.
+
+Heavy imports (transformers, vLLM client, podman pool, store backends) happen inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from collector.status import CollectorMetrics
+from sandpiper.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def code_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sandpiper")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class _RecordingClient:
+    """Forwards to the policy client and records reloads on the local servers, so that a
+    server restarted by its supervisor comes back with the current weights."""
+
+    def __init__(self, inner: Any, servers: list[Any]) -> None:
+        self.inner, self.servers = inner, servers
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    async def generate(self, prompt_ids, params):
+        return await self.inner.generate(prompt_ids, params)
+
+    async def reload(self, checkpoint_dir: str, version: int) -> None:
+        await self.inner.reload(checkpoint_dir, version)
+        for server in self.servers:
+            server.record_weights(checkpoint_dir, version)
+
+
+def open_store(config: RunConfig):
+    from store import Store
+    from store.records import RunRecord
+
+    store = Store(config.store.url, lock_timeout_s=config.store.lock_timeout_s)
+    store.init()
+    run = RunRecord(config.name, json.dumps(config.model_dump(mode="json")), code_version())
+    store.ensure_run(run)
+    return store
+
+
+async def collect(
+    config: RunConfig, *, stop: asyncio.Event, live_status: bool | None = None
+) -> CollectorMetrics:
+    """Run the collector of ``config`` until ``stop`` is set (see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    from collector.agent import default_toolbox_factory
+    from collector.daemon import Collector
+    from collector.inference.vllm_client import VLLMPolicyClient
+    from collector.journal import SeqJournal
+    from collector.render import ChatRenderer
+    from collector.sandbox import janitor
+    from collector.sandbox.pool import SandboxPool
+    from collector.status import StatusReporter
+    from collector.tasks import load_tasks
+    from collector.tools import TOOL_SCHEMAS
+
+    cc, run_dir = config.collector, config.run_dir
+    tasks = load_tasks(
+        cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed
+    )
+    store = await asyncio.to_thread(open_store, config)
+    await asyncio.to_thread(store.upsert_tasks, [t.to_record() for t in tasks])
+    removed = await janitor.gc()
+    if removed:
+        log.info("removed %d containers left by dead collectors", len(removed))
+    tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
+    renderer = ChatRenderer(tokenizer, TOOL_SCHEMAS)
+    reporter = StatusReporter(
+        cc.metrics_file or run_dir / "collector_metrics.jsonl", live=live_status
+    )
+
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(reporter.close)
+        servers = await _start_servers(config, stack)
+        urls = config.inference.server_urls or [s.url for s in servers]
+        inner = VLLMPolicyClient(
+            urls,
+            request_timeout_s=config.inference.request_timeout_s,
+            max_retries=config.inference.max_retries,
+        )
+        stack.push_async_callback(inner.aclose)
+        pool = SandboxPool(config.sandbox, labels={"sandpiper.run": config.name})
+        await pool.start()
+        stack.push_async_callback(pool.close)
+        writer = store.writer(
+            flush_interval_s=config.store.flush_interval_s,
+            flush_max_episodes=config.store.flush_max_episodes,
+            spool_dir=config.store.spool_dir,
+        )
+        stack.callback(writer.close)
+        await asyncio.to_thread(writer.flush)  # commit what a crashed run left spooled
+        collector = Collector(
+            config,
+            client=_RecordingClient(inner, servers),
+            renderer=renderer,
+            store=store,
+            writer=writer,
+            pool=pool,
+            toolbox_factory=default_toolbox_factory(
+                exec_timeout_s=config.sandbox.exec_timeout_s, test_timeout_s=cc.test_timeout_s
+            ),
+            tasks=tasks,
+            journal=SeqJournal(Path(run_dir) / "collector_journal.json"),
+            report=reporter.report,
+        )
+        return await collector.run(stop)
+
+
+async def _start_servers(config: RunConfig, stack: contextlib.AsyncExitStack) -> list[Any]:
+    """Start ``inference.num_servers`` local servers (none when URLs are given)."""
+    from collector.inference.server import VLLMServer
+
+    if config.inference.server_urls:
+        return []
+    servers = [
+        VLLMServer.from_config(
+            config.inference,
+            config.learner.model,
+            index=i,
+            log_path=config.run_dir / f"vllm-{i}.log",
+        )
+        for i in range(config.inference.num_servers)
+    ]
+    for server in servers:
+        stack.callback(server.stop)
+    await asyncio.gather(*(asyncio.to_thread(s.start) for s in servers))
+    for server in servers:
+        supervisor = asyncio.create_task(server.supervise())
+        stack.callback(supervisor.cancel)
+    return servers

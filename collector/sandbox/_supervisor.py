@@ -1,0 +1,431 @@
+"""The persistent shell that runs INSIDE each sandbox container (python3 stdlib only).
+
+The host starts it once per container with ``podman exec -i CID python3 supervisor.py`` and
+talks to it over stdin/stdout with framed messages: one JSON header line, then exactly
+``len`` raw bytes of payload (binary-safe, so files of any content and size round-trip
+byte-exact). Replies use the same framing; the reply header is the end marker and carries
+the exit status.
+
+Each command runs as ``timeout -s KILL T bash -c PRELUDE+COMMAND`` in its own session and
+process group. Its stdout/stderr are read here and capped at the source: the first and last
+``cap/2`` bytes are kept and the total is counted, so 1 GB of output never leaves the
+container. On timeout the whole process group is SIGKILLed.
+
+State semantics: the working directory and the exported environment persist from one command
+to the next (bash runs with ``set -a``, so plain ``X=1`` assignments persist too); shell
+functions, aliases and shell options do not. Background processes keep running, but output
+they write after their command returned is not collected (redirect it to a file).
+
+This file must not import anything from the project: the container has only python3.
+"""
+
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+WORKSPACE = "/workspace"
+WIPE_DIRS = ("/workspace", "/tmp", "/dev/shm")
+OOM_CONTROL = "/sys/fs/cgroup/memory/memory.oom_control"
+OOM_EVENTS_V2 = "/sys/fs/cgroup/memory.events"
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+    "PAGER": "cat",
+    "GIT_PAGER": "cat",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+# Runs before the command inside bash: state is reported on the state pipe at exit (builtins only, no
+# fork); the command's processes volunteer to be the OOM killer's first choice.
+PRELUDE = r"""
+echo 1000 > /proc/self/oom_score_adj 2>/dev/null
+__sp_report() {
+  __sp_rc=$?
+  { printf '%s\0' "$PWD"; for __sp_v in $(compgen -e); do
+      case $__sp_v in __sp_*) ;; *) printf '%s=%s\0' "$__sp_v" "${!__sp_v}";; esac
+    done; } >&"$__sp_fd" 2>/dev/null
+  exit $__sp_rc
+}
+trap __sp_report EXIT
+set -a
+__sp_fd=$1; __sp_cmd=$2; shift 2
+eval "$__sp_cmd"
+"""
+DRAIN_AFTER_EXIT_S = 0.05
+"""How long to keep reading pipes held open by background processes after the command."""
+
+
+class Capper:
+    """Keeps the head and tail of a stream, counting every byte."""
+
+    def __init__(self, cap: int) -> None:
+        self.head_cap = cap // 2
+        self.tail_cap = cap - self.head_cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            if len(self.tail) > 2 * self.tail_cap:  # trim rarely, not per chunk
+                del self.tail[: len(self.tail) - self.tail_cap]
+
+    def parts(self) -> tuple[bytes, bytes]:
+        return bytes(self.head), bytes(self.tail[-self.tail_cap :] if self.tail_cap else b"")
+
+
+class State:
+    def __init__(self) -> None:
+        self.cwd = WORKSPACE
+        self.env = dict(BASE_ENV)
+
+
+def oom_kills() -> int:
+    for path, key in ((OOM_CONTROL, "oom_kill"), (OOM_EVENTS_V2, "oom_kill")):
+        try:
+            with open(path) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == key:
+                        return int(value)
+        except OSError:
+            continue
+    return -1
+
+
+def reap() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def parse_state(blob: bytes, state: State) -> None:
+    items = blob.split(b"\0")
+    if len(items) < 2:
+        return  # killed before reporting: keep the previous state
+    state.cwd = items[0].decode("utf-8", "surrogateescape")
+    env = {}
+    for item in items[1:]:
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+    state.env = env
+
+
+def run_command(state: State, req: dict) -> tuple[dict, bytes]:
+    timeout_s = float(req["timeout_s"])
+    cap = int(req["cap"])
+    cwd = req.get("cwd") or state.cwd
+    if not os.path.isdir(cwd):
+        cwd = WORKSPACE if os.path.isdir(WORKSPACE) else "/"
+    clean = bool(req.get("clean_env"))
+    env = dict(BASE_ENV) if clean else dict(state.env)
+    overrides = req.get("env") or {}
+    env.update(overrides)
+    argv = ["timeout", "-s", "KILL", f"{timeout_s:.3f}", "bash", "-c", PRELUDE, "bash"]
+    state_r, state_w = os.pipe()
+    argv += [str(state_w), req["command"]]
+    oom_before = oom_kills()
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            pass_fds=(state_w,),
+            start_new_session=True,
+        )
+    except OSError as e:
+        os.close(state_r)
+        os.close(state_w)
+        msg = f"could not start the command: {e}".encode()
+        header = {"exit_code": None, "outcome": "ok", "duration_ms": 0.0, "spawn_error": True}
+        return _exec_reply(header, Capper(cap), _fed(Capper(cap), msg))
+    os.close(state_w)
+    out, err, state_blob = Capper(cap), Capper(cap), bytearray()
+    timed_out = _pump(proc, state_r, out, err, state_blob, started + timeout_s)
+    os.close(state_r)
+    duration_ms = (time.monotonic() - started) * 1000
+    rc = proc.returncode
+    outcome = "ok"
+    if timed_out or (rc in (-9, 137) and duration_ms >= timeout_s * 1000 - 5):
+        outcome, rc = "timed_out", None
+    elif rc in (-9, 137) and oom_kills() > oom_before >= 0:
+        outcome = "oom_killed"
+    if rc is not None and rc < 0:
+        rc = 128 - rc  # report signals like a shell does (SIGKILL → 137)
+    header = {"exit_code": rc, "outcome": outcome, "duration_ms": duration_ms}
+    if clean:  # a clean-environment run (the tests) leaves the agent's shell state alone
+        return _exec_reply(header, out, err)
+    saved = {k: state.env.get(k) for k in overrides}
+    parse_state(bytes(state_blob), state)
+    for key, value in saved.items():  # per-call env does not persist
+        if value is None:
+            state.env.pop(key, None)
+        else:
+            state.env[key] = value
+    return _exec_reply(header, out, err)
+
+
+def _fed(capper: Capper, data: bytes) -> Capper:
+    capper.feed(data)
+    return capper
+
+
+def _pump(proc, state_r, out, err, state_blob, deadline) -> bool:
+    """Read the command's pipes until it exits (or times out); True when it timed out."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, out)
+    sel.register(proc.stderr, selectors.EVENT_READ, err)
+    sel.register(state_r, selectors.EVENT_READ, state_blob)
+    pidfd = os.pidfd_open(proc.pid)
+    sel.register(pidfd, selectors.EVENT_READ, None)
+    timed_out = False
+    exited_at = None
+    try:
+        while len(sel.get_map()) > 1 or exited_at is None:
+            now = time.monotonic()
+            if exited_at is None and now > deadline + 0.5:
+                # timeout(1) should have fired; kill the group ourselves (watchdog level 1)
+                _killpg(proc.pid)
+                timed_out = True
+            wait = 0.5
+            if exited_at is not None:
+                wait = exited_at + DRAIN_AFTER_EXIT_S - now
+                if wait <= 0:
+                    break
+            for key, _ in sel.select(timeout=max(wait, 0.0)):
+                if key.data is None:
+                    proc.wait()
+                    exited_at = time.monotonic()
+                    sel.unregister(key.fileobj)
+                    continue
+                fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                elif isinstance(key.data, bytearray):
+                    key.data.extend(chunk)
+                else:
+                    key.data.feed(chunk)
+    finally:
+        sel.close()
+        os.close(pidfd)
+        proc.stdout.close()
+        proc.stderr.close()
+    if proc.returncode is None:
+        proc.wait()
+    return timed_out
+
+
+def _killpg(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _exec_reply(header: dict, out: Capper, err: Capper) -> tuple[dict, bytes]:
+    out_head, out_tail = out.parts()
+    err_head, err_tail = err.parts()
+    header.update(
+        stdout_total=out.total,
+        stderr_total=err.total,
+        sizes=[len(out_head), len(out_tail), len(err_head), len(err_tail)],
+    )
+    return header, out_head + out_tail + err_head + err_tail
+
+
+def inside_sandbox() -> bool:
+    """True in a sandbox container (pid 1 is catatonit, this file mounted at
+    /.sandpiper): kill -1 is only safe there."""
+    if os.path.abspath(__file__) != "/.sandpiper/supervisor.py":
+        return False
+    try:
+        with open("/proc/1/comm") as f:
+            return f.read().strip() == "catatonit"
+    except OSError:
+        return False
+
+
+def kill_everything_else() -> None:
+    """SIGKILL every process this uid can signal except us and init (kill -9 -1)."""
+    if not inside_sandbox():
+        raise RuntimeError("refusing kill -1 outside a sandbox container")
+    for _ in range(200):  # a fork bomb keeps forking while we kill
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            break
+        reap()
+        time.sleep(0.005)
+    reap()
+
+
+def wipe(path: str) -> None:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        full = os.path.join(path, name)
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(full)
+
+
+def write_file(req: dict, data: bytes) -> dict:
+    path = req["path"]
+    existed = os.path.exists(path)
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+    if not existed:
+        os.chmod(path, int(req.get("mode", 0o644)))
+    return {}
+
+
+def untar(req: dict, data: bytes) -> dict:
+    """Extract regular files and directories only; reject absolute paths and ``..``."""
+    import io
+
+    dest = req["dest"]
+    if req.get("replace"):
+        shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        for member in tar.getmembers():
+            parts = member.name.split("/")
+            if member.name.startswith("/") or ".." in parts:
+                raise ValueError(f"unsafe path in archive: {member.name!r}")
+            target = os.path.join(dest, *[p for p in parts if p not in ("", ".")])
+            if member.isdir():
+                os.makedirs(target, exist_ok=True)
+            elif member.isfile():
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                src = tar.extractfile(member)
+                with open(target, "wb") as f:
+                    shutil.copyfileobj(src, f)
+                os.chmod(target, member.mode & 0o777)
+    return {}
+
+
+def make_tar(req: dict) -> tuple[dict, bytes]:
+    import io
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(req["src"], arcname=".")
+    return {}, buf.getvalue()
+
+
+def stat(req: dict) -> dict:
+    path = req["path"]
+    return {"exists": os.path.exists(path), "is_dir": os.path.isdir(path)}
+
+
+def list_tree(req: dict) -> dict:
+    """Paths up to ``depth`` levels below ``path``, hidden entries (and their contents) skipped."""
+    root, depth = req["path"], int(req.get("depth", 2))
+    found = [root]
+
+    def walk(path: str, level: int) -> None:
+        if level > depth:
+            return
+        try:
+            names = sorted(os.listdir(path))
+        except OSError:
+            return
+        for name in names:
+            if name.startswith("."):
+                continue
+            full = os.path.join(path, name)
+            found.append(full)
+            if os.path.isdir(full) and not os.path.islink(full):
+                walk(full, level + 1)
+
+    walk(root, 1)
+    return {"paths": found}
+
+
+def handle(state: State, req: dict, payload: bytes) -> tuple[dict, bytes]:
+    op = req["op"]
+    if op == "exec":
+        return run_command(state, req)
+    if op == "write":
+        return write_file(req, payload), b""
+    if op == "read":
+        with open(req["path"], "rb") as f:
+            return {}, f.read()
+    if op == "untar":
+        return untar(req, payload), b""
+    if op == "tar":
+        return make_tar(req)
+    if op == "stat":
+        return stat(req), b""
+    if op == "tree":
+        return list_tree(req), b""
+    if op == "reset":
+        kill_everything_else()
+        for path in WIPE_DIRS:
+            wipe(path)
+        state.__init__()
+        return {}, b""
+    if op == "kill_all":
+        kill_everything_else()
+        return {}, b""
+    if op == "ping":
+        return {"pid": os.getpid(), "oom_kills": oom_kills()}, b""
+    raise ValueError(f"unknown op {op!r}")
+
+
+def main() -> None:
+    if "--takeover" in sys.argv:  # a previous shell may be hung: make room
+        kill_everything_else()
+    os.chdir(WORKSPACE if os.path.isdir(WORKSPACE) else "/")
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    state = State()
+    stdout.write(json.dumps({"ready": True, "pid": os.getpid()}).encode() + b"\n")
+    stdout.flush()
+    while True:
+        line = stdin.readline()
+        if not line:
+            return
+        req = json.loads(line)
+        payload = stdin.read(req.get("len", 0)) if req.get("len") else b""
+        try:
+            header, out = handle(state, req, payload)
+        except Exception as e:  # reported to the host as data; the shell keeps serving
+            header, out = {"error": type(e).__name__, "message": str(e)}, b""
+        reap()
+        header["len"] = len(out)
+        stdout.write(json.dumps(header).encode() + b"\n")
+        stdout.write(out)
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

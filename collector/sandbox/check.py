@@ -1,0 +1,243 @@
+"""Prove on this host that every sandbox limit is enforced (``sandpiper sandbox check``).
+
+Each check runs an attack or probe in a real sandbox container and looks at the outcome:
+user namespace (container root is not host root), no network, no capabilities and
+no-new-privileges, read-only root (nothing writable outside /workspace, /tmp, /dev/shm),
+workspace size limit, memory limit (a hog is OOM-killed), pids limit (a fork bomb is held),
+CPU limit (measured), and an init that survives ``kill -9 -1``.
+
+A passing result is cached per (image, limits, podman, kernel) in
+``~/.cache/sandpiper/sandbox-check-<key>.json``; :func:`ensure_limits_enforced` (called by
+``SandboxPool.start``) runs the checks when no passing result is cached and refuses to go on
+when one fails, unless ``allow_unenforced_limits`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from collector.sandbox.base import ExecOutcome
+from collector.sandbox.podman import PodmanSandbox, run_podman
+from collector.sandbox.uids import UidSlots
+from sandpiper.config import SandboxConfig
+from sandpiper.errors import SandboxError, SandboxLimitsNotEnforced
+
+log = logging.getLogger(__name__)
+CACHE_DIR = Path.home() / ".cache" / "sandpiper"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One limit and whether this host enforces it."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+Check = Callable[[PodmanSandbox, SandboxConfig], Awaitable[CheckResult]]
+
+
+async def _user_namespace(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    r = await box.exec("cat /proc/self/uid_map", timeout_s=10)
+    fields = r.stdout.split()
+    host_uid = int(fields[1]) if len(fields) >= 3 and fields[0] == "0" else 0
+    return CheckResult("user_namespace", host_uid != 0, f"container root = host uid {host_uid}")
+
+
+async def _network(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    probe = (
+        "import socket\n"
+        "s = socket.socket(); s.settimeout(3)\n"
+        "try:\n    s.connect(('1.1.1.1', 80)); print('connected')\n"
+        "except OSError as e:\n    print('blocked', e)\n"
+    )
+    await box.write_file("/tmp/.netprobe.py", probe.encode())
+    r = await box.exec("python3 /tmp/.netprobe.py; ls /sys/class/net", timeout_s=15)
+    ifaces = set(r.stdout.split()[-3:]) & {"eth0", "tap0", "ens3", "enp0s3"}
+    passed = "blocked" in r.stdout and "connected" not in r.stdout and not ifaces
+    return CheckResult("network_none", passed, r.stdout.strip().replace("\n", " ")[:200])
+
+
+async def _privileges(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    r = await box.exec("grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status", timeout_s=10)
+    status = dict(line.split(":\t") for line in r.stdout.strip().splitlines() if ":\t" in line)
+    passed = (
+        int(status.get("CapEff", "1"), 16) == 0
+        and int(status.get("CapBnd", "1"), 16) == 0
+        and status.get("NoNewPrivs", "0").strip() == "1"
+    )
+    return CheckResult("capabilities_dropped", passed, " ".join(r.stdout.split()))
+
+
+async def _read_only(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    targets = ["/", "/etc", "/usr", "/root", "/var", "/home", "/bin", "/opt", "/.sandpiper"]
+    script = "".join(f"touch {t}/.probe 2>/dev/null && echo writable:{t}\n" for t in targets)
+    script += "touch /workspace/.probe && echo ok:/workspace\n"
+    r = await box.exec(script, timeout_s=10)
+    passed = "writable:" not in r.stdout and "ok:/workspace" in r.stdout
+    return CheckResult("read_only_root", passed, r.stdout.strip().replace("\n", " ") or "-")
+
+
+async def _workspace_size(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    over_mb = config.workspace_size_mb + 16
+    r = await box.exec(
+        f"head -c {over_mb}M /dev/zero > /workspace/.fill; echo rc=$?; "
+        "du -m /workspace/.fill | cut -f1; rm -f /workspace/.fill",
+        timeout_s=60,
+    )
+    lines = r.stdout.split()
+    written = int(lines[-1]) if lines and lines[-1].isdigit() else -1
+    passed = "rc=0" not in r.stdout and 0 <= written <= config.workspace_size_mb
+    return CheckResult("workspace_size", passed, f"wrote {written} MiB of {over_mb} asked")
+
+
+async def _memory(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    hog_mb = config.memory_mb * 2
+    r = await box.exec(
+        f"python3 -c 'b = bytearray({hog_mb} * 1024 * 1024); print(len(b))'", timeout_s=60
+    )
+    passed = r.outcome is ExecOutcome.OOM_KILLED
+    return CheckResult("memory_limit", passed, f"{hog_mb} MiB hog → {r.outcome} ({r.exit_code})")
+
+
+async def _pids(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    # python's fork fails at once at the limit (bash's fork retries with back-off for long)
+    n = config.pids_limit + 64
+    probe = (
+        "import os, time\n"
+        "made = 0\n"
+        f"for _ in range({n}):\n"
+        "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+        "    if pid == 0:\n        time.sleep(30); os._exit(0)\n"
+        "    made += 1\n"
+        "print(made, len([p for p in os.listdir('/proc') if p.isdigit()]))\n"
+    )
+    await box.write_file("/tmp/.pidsprobe.py", probe.encode())
+    started = time.monotonic()
+    r = await box.exec("python3 /tmp/.pidsprobe.py", timeout_s=30)
+    host_ms = (time.monotonic() - started) * 1000
+    await box.kill_all()
+    fields = r.stdout.split()
+    made, count = (int(fields[0]), int(fields[1])) if len(fields) == 2 else (-1, -1)
+    passed = 0 < made < n and count <= config.pids_limit
+    detail = (
+        f"fork bomb made {made} of {n} processes, {count} in the container "
+        f"(limit {config.pids_limit}); {host_ms:.0f} ms"
+    )
+    return CheckResult("pids_limit", passed, detail)
+
+
+async def _cpu(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    workers = (os.cpu_count() or 1) + 1
+    if config.cpus >= (os.cpu_count() or 1):
+        return CheckResult("cpu_limit", True, f"cpus={config.cpus} ≥ host cores: not measurable")
+    probe = (
+        "import os, time\n"
+        f"for _ in range({workers}):\n"
+        "    if os.fork() == 0:\n"
+        "        end = time.time() + 2.0\n"
+        "        while time.time() < end: pass\n"
+        "        os._exit(0)\n"
+        "t = time.time()\n"
+        f"for _ in range({workers}): os.wait()\n"
+        "c = os.times()\n"
+        "print((c.children_user + c.children_system) / (time.time() - t))\n"
+    )
+    await box.write_file("/tmp/.cpuprobe.py", probe.encode())
+    r = await box.exec("python3 /tmp/.cpuprobe.py", timeout_s=30)
+    try:
+        used = float(r.stdout.split()[-1])
+    except (ValueError, IndexError):
+        return CheckResult("cpu_limit", False, f"probe failed: {r.stderr[-200:]}")
+    passed = used <= config.cpus * 1.25
+    return CheckResult("cpu_limit", passed, f"{used:.2f} cores used, limit {config.cpus}")
+
+
+async def _init_survives(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    await box.exec("kill -9 -1", timeout_s=10)
+    r = await box.exec("echo alive; cat /proc/1/comm", timeout_s=10)
+    passed = r.outcome is ExecOutcome.OK and "alive" in r.stdout and "catatonit" in r.stdout
+    return CheckResult("init_survives_kill_all", passed, " ".join(r.stdout.split()))
+
+
+CHECKS: list[Check] = [
+    _user_namespace,
+    _network,
+    _privileges,
+    _read_only,
+    _workspace_size,
+    _memory,
+    _pids,
+    _cpu,
+    _init_survives,
+]
+
+
+async def run_checks(config: SandboxConfig) -> list[CheckResult]:
+    """Start one sandbox and run every check in it (about 10–20 s)."""
+    slots = UidSlots.for_host(config)
+    slot = slots.acquire()
+    box = await PodmanSandbox.create(
+        config, labels={"sandpiper.purpose": "check"}, uid_base=slots.base(slot)
+    )
+    results = []
+    try:
+        for check in CHECKS:
+            try:
+                results.append(await check(box, config))
+            except (SandboxError, OSError, ValueError) as e:
+                results.append(CheckResult(check.__name__.lstrip("_"), False, f"error: {e}"))
+            if not box.alive:
+                break
+    finally:
+        await box.close()
+        slots.release(slot)
+    return results
+
+
+async def _cache_key(config: SandboxConfig) -> str:
+    image_id = (await run_podman("image", "inspect", "--format", "{{.Id}}", config.image)).strip()
+    version = (await run_podman("version", "--format", "{{.Client.Version}}")).strip()
+    limits = config.model_dump(
+        include={"memory_mb", "cpus", "pids_limit", "workspace_size_mb", "rootless", "uid_base"}
+    )
+    blob = json.dumps(
+        [image_id.decode(), version.decode(), platform.release(), limits, os.geteuid()]
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+async def ensure_limits_enforced(config: SandboxConfig) -> list[CheckResult]:
+    """Run (or reuse cached) checks; raise :class:`SandboxLimitsNotEnforced` on a failure."""
+    if not config.selfcheck:
+        return []
+    cache = CACHE_DIR / f"sandbox-check-{await _cache_key(config)}.json"
+    if cache.exists():
+        return [CheckResult(**r) for r in json.loads(cache.read_text())]
+    results = await run_checks(config)
+    failed = [r for r in results if not r.passed]
+    if failed and not config.allow_unenforced_limits:
+        names = ", ".join(f"{r.name} ({r.detail})" for r in failed)
+        raise SandboxLimitsNotEnforced(
+            f"this host does not enforce: {names}. Fix the host (see `sandpiper sandbox check`) "
+            "or set sandbox.allow_unenforced_limits = true to run anyway."
+        )
+    if not failed:
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps([asdict(r) for r in results]))
+    return results
+
+
+if __name__ == "__main__":
+    for result in asyncio.run(run_checks(SandboxConfig())):
+        print(result)

@@ -1,0 +1,400 @@
+"""Podman implementation of the :class:`~collector.sandbox.base.Sandbox` Protocol.
+
+Driven through the podman CLI from asyncio. Each container runs catatonit (bind-mounted from
+the host, ``-P``) as pid 1, so init survives ``kill -9 -1``; a persistent shell — the
+stdlib-only ``_supervisor.py``, bind-mounted read-only and started once with
+``podman exec -i`` — runs every command framed (JSON header + raw payload; the reply header is
+the end marker with the exit status). See ``_supervisor.py`` for the state semantics.
+
+Watchdog ladder when a command overruns:
+1. inside: ``timeout -s KILL`` and the shell kill the command's process group at the deadline;
+2. host: no reply ``WATCHDOG_GRACE_S`` after the deadline → kill the shell client and start a
+   new shell with ``--takeover`` (SIGKILLs everything but init; the workspace survives);
+3. host: the shell cannot be restarted → the container is replaced (outcome sandbox_died).
+
+Isolation flags are built by :func:`container_argv` (one place, checked by ``sandbox check``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import os
+import tarfile
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from collector.sandbox.base import ExecOutcome, ExecResult
+from sandpiper.config import SandboxConfig
+from sandpiper.errors import SandboxError
+
+log = logging.getLogger(__name__)
+
+SUPERVISOR_HOST_PATH = Path(__file__).with_name("_supervisor.py")
+SUPERVISOR = "/.sandpiper/supervisor.py"
+CATATONIT = "/.sandpiper/catatonit"
+LABEL_PREFIX = "sandpiper."
+WATCHDOG_GRACE_S = 5.0
+"""Host-side slack after a command's deadline before the shell is presumed hung."""
+START_TIMEOUT_S = 60.0
+UIDMAP_SIZE = 65536
+MAX_FRAME_BYTES = 512 * 1024 * 1024
+"""Largest reply payload accepted from a shell (a file read or a tar of a folder)."""
+
+
+async def run_podman(*args: str, stdin: bytes | None = None, timeout_s: float = 120.0) -> bytes:
+    """Run one podman CLI call; raise :class:`SandboxError` with its stderr on failure."""
+    proc = await asyncio.create_subprocess_exec(
+        "podman",
+        *args,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
+    except TimeoutError:
+        await _reap(proc)
+        raise SandboxError(f"podman {args[0]} timed out after {timeout_s:.0f} s") from None
+    except asyncio.CancelledError:
+        await _reap(proc)  # never leave a podman client running behind a cancelled task
+        raise
+    if proc.returncode != 0:
+        raise SandboxError(f"podman {' '.join(args[:2])} failed: {err.decode()[-2000:].strip()}")
+    return out
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.kill()
+    await proc.wait()
+
+
+def container_argv(
+    config: SandboxConfig, *, name: str, labels: Mapping[str, str], uid_base: int | None
+) -> list[str]:
+    """The ``podman run`` arguments that make a sandbox container (all isolation flags)."""
+    argv = ["run", "-d", "--name", name, "--hostname", "sandbox"]
+    for key, value in labels.items():
+        argv += ["--label", f"{key}={value}"]
+    if uid_base is not None:
+        span = f"0:{uid_base}:{UIDMAP_SIZE}"
+        argv += ["--uidmap", span, "--gidmap", span]
+    workspace_opts = f"rw,size={config.workspace_size_mb}m,mode=1777,exec,nosuid,nodev"
+    argv += [
+        "--network=none",
+        "--cap-drop=all",
+        "--security-opt=no-new-privileges",
+        "--read-only",
+        "--read-only-tmpfs=false",
+        "--tmpfs",
+        f"/workspace:{workspace_opts}",
+        "--tmpfs",
+        f"/tmp:rw,size={config.tmp_size_mb}m,mode=1777,exec,nosuid,nodev",
+        "--shm-size=16m",
+        f"--memory={config.memory_mb}m",
+        f"--memory-swap={config.memory_mb}m",
+        f"--cpus={config.cpus}",
+        f"--pids-limit={config.pids_limit}",
+        "--volume",
+        f"{config.catatonit_path}:{CATATONIT}:ro",
+        "--volume",
+        f"{SUPERVISOR_HOST_PATH}:{SUPERVISOR}:ro",
+        "--entrypoint",
+        json.dumps([CATATONIT, "-P"]),
+        config.image,
+    ]
+    return argv
+
+
+class PodmanSandbox:
+    """One container plus its persistent shell. Create with :meth:`create`."""
+
+    def __init__(self, config: SandboxConfig, name: str, labels: dict[str, str]) -> None:
+        self.config = config
+        self.name = name
+        self.labels = labels
+        self._shell: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+        self._dead = False
+        self.restarts = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @classmethod
+    async def create(
+        cls, config: SandboxConfig, *, labels: Mapping[str, str], uid_base: int | None
+    ) -> PodmanSandbox:
+        name = f"sandpiper-{uuid.uuid4().hex[:12]}"
+        all_labels = {**labels, "sandpiper.managed": "1"}
+        if uid_base is not None:
+            all_labels["sandpiper.uid_base"] = str(uid_base)
+        box = cls(config, name, all_labels)
+        try:
+            await run_podman(
+                *container_argv(config, name=name, labels=all_labels, uid_base=uid_base)
+            )
+            await box._start_shell(takeover=False)
+        except BaseException:
+            await box.close()
+            raise
+        return box
+
+    @property
+    def id(self) -> str:
+        return self.name
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead
+
+    async def close(self) -> None:
+        """Stop the shell and remove the container (idempotent)."""
+        self._dead = True
+        await self._kill_shell()
+        proc = await asyncio.create_subprocess_exec(
+            "podman", "rm", "-f", "-t", "0", "--ignore", self.name,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        await proc.wait()
+
+    async def _start_shell(self, *, takeover: bool) -> None:
+        argv = ["podman", "exec", "-i", self.name, "python3", "-I", SUPERVISOR]
+        if takeover:
+            argv.append("--takeover")
+        self._shell = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            limit=1 << 20,
+        )
+        try:
+            assert self._shell.stdout is not None
+            line = await asyncio.wait_for(self._shell.stdout.readline(), START_TIMEOUT_S)
+        except TimeoutError:
+            line = b""
+        if not line.startswith(b'{"ready"'):
+            await self._kill_shell()
+            raise SandboxError(f"the shell of sandbox {self.name} did not start")
+
+    async def _kill_shell(self) -> None:
+        shell, self._shell = self._shell, None
+        if shell is None:
+            return
+        if shell.stdin is not None:
+            shell.stdin.close()  # else the transport outlives the event loop
+        if shell.returncode is None:
+            shell.kill()
+        await shell.wait()
+
+    # -- framing -----------------------------------------------------------------------------
+    async def _call(
+        self, req: dict[str, Any], payload: bytes = b"", *, timeout_s: float = 60.0
+    ) -> tuple[dict[str, Any], bytes]:
+        """Send one framed request; raise ``TimeoutError`` or ``ConnectionError``."""
+        shell = self._shell
+        if shell is None or shell.returncode is not None or self._dead:
+            raise ConnectionError("the sandbox shell is not running")
+        assert shell.stdin is not None and shell.stdout is not None
+        req["len"] = len(payload)
+        try:
+            shell.stdin.write(json.dumps(req).encode() + b"\n")
+            if payload:
+                shell.stdin.write(payload)
+            await shell.stdin.drain()
+            line = await asyncio.wait_for(shell.stdout.readline(), timeout_s)
+            if not line:
+                raise ConnectionError("the sandbox shell exited")
+            header = json.loads(line)
+            size = int(header.get("len", 0))
+            if size > MAX_FRAME_BYTES:
+                raise ConnectionError(f"reply of {size} bytes exceeds the frame limit")
+            data = await asyncio.wait_for(shell.stdout.readexactly(size), timeout_s)
+        except (BrokenPipeError, ConnectionResetError, asyncio.IncompleteReadError) as e:
+            raise ConnectionError(f"the sandbox shell went away: {e}") from e
+        return header, data
+
+    async def _op(self, req: dict[str, Any], payload: bytes = b"") -> tuple[dict, bytes]:
+        """A non-exec operation: errors inside become ``OSError``; a dead shell → SandboxError."""
+        async with self._lock:
+            try:
+                header, data = await self._call(req, payload)
+            except (TimeoutError, ConnectionError) as e:
+                if not await self._recover():
+                    raise SandboxError(f"sandbox {self.name}: {e}") from e
+                header, data = await self._call(req, payload)
+        if "error" in header:
+            raise _as_os_error(header["error"], header.get("message", ""), req.get("path"))
+        return header, data
+
+    async def _recover(self) -> bool:
+        """Watchdog levels 2 and 3: restart the shell; else mark the sandbox dead."""
+        await self._kill_shell()
+        if self._dead:
+            return False
+        try:
+            await self._start_shell(takeover=True)
+            self.restarts += 1
+            return True
+        except SandboxError:
+            log.warning("sandbox %s: shell restart failed; it will be replaced", self.name)
+            self._dead = True
+            return False
+
+    # -- Sandbox Protocol ----------------------------------------------------------------------
+    async def exec(
+        self,
+        command: str,
+        *,
+        timeout_s: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        clean_env: bool = False,
+    ) -> ExecResult:
+        """Run ``command`` in the persistent shell (see ``_supervisor.py`` for state rules).
+
+        ``env`` adds variables for this call only. ``clean_env`` runs with the image's base
+        environment instead of the shell's, and leaves the shell's state untouched.
+        """
+        timeout_s = self.config.exec_timeout_s if timeout_s is None else timeout_s
+        req = {
+            "op": "exec",
+            "command": command,
+            "timeout_s": timeout_s,
+            "cap": self.config.output_cap_bytes,
+            "cwd": cwd,
+            "env": dict(env or {}),
+            "clean_env": clean_env,
+        }
+        started = time.monotonic()
+        async with self._lock:
+            try:
+                header, data = await self._call(req, timeout_s=timeout_s + WATCHDOG_GRACE_S)
+            except TimeoutError:
+                recovered = await self._recover()
+                outcome = ExecOutcome.TIMED_OUT if recovered else ExecOutcome.SANDBOX_DIED
+                return _failed(outcome, started, "the shell did not answer; it was restarted")
+            except ConnectionError as e:
+                # The command may have killed the shell (kill -9 -1): init survived, so a new
+                # shell is started and the command is reported as killed, with a fresh state.
+                if await self._recover():
+                    note = f"[sandpiper: the shell was killed ({e}); restarted with a fresh state]"
+                    return _failed(ExecOutcome.OK, started, note, exit_code=137)
+                return _failed(ExecOutcome.SANDBOX_DIED, started, str(e))
+        if "error" in header:
+            return _failed(ExecOutcome.OK, started, header.get("message", ""), exit_code=126)
+        return _exec_result(header, data)
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write ``data`` byte-exact; parents are created; ``mode`` applies to new files."""
+        _check_abs(path)
+        await self._op({"op": "write", "path": path, "mode": mode}, data)
+
+    async def read_file(self, path: str) -> bytes:
+        _check_abs(path)
+        return (await self._op({"op": "read", "path": path}))[1]
+
+    async def stat(self, path: str) -> tuple[bool, bool]:
+        """(exists, is_dir) of ``path`` inside the sandbox."""
+        _check_abs(path)
+        header, _ = await self._op({"op": "stat", "path": path})
+        return bool(header["exists"]), bool(header["is_dir"])
+
+    async def list_tree(self, path: str, depth: int = 2) -> list[str]:
+        """``path`` and the entries up to ``depth`` levels below it, hidden ones skipped."""
+        _check_abs(path)
+        header, _ = await self._op({"op": "tree", "path": path, "depth": depth})
+        return list(header["paths"])
+
+    async def copy_in(self, host_dir: Path, container_dir: str, *, replace: bool = False) -> None:
+        """Copy a host folder's files into ``container_dir`` (regular files and folders)."""
+        _check_abs(container_dir)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(str(host_dir), arcname=".")
+        req = {"op": "untar", "dest": container_dir, "replace": replace}
+        await self._op(req, buf.getvalue())
+
+    async def copy_out(self, container_dir: str, host_dir: Path) -> None:
+        _check_abs(container_dir)
+        _, data = await self._op({"op": "tar", "src": container_dir})
+        host_dir.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(host_dir, filter="data")
+
+    async def reset(self) -> None:
+        """Kill every process but init, wipe /workspace, /tmp and /dev/shm, reset the state."""
+        await self._op({"op": "reset"})
+
+    async def kill_all(self) -> None:
+        """SIGKILL every process in the container except init and the shell."""
+        await self._op({"op": "kill_all"})
+
+    async def ping(self) -> dict[str, Any]:
+        return (await self._op({"op": "ping"}))[0]
+
+
+def _check_abs(path: str) -> None:
+    if not path.startswith("/") or "\0" in path:
+        raise ValueError(f"sandbox paths must be absolute: {path!r}")
+
+
+def _as_os_error(kind: str, message: str, path: str | None) -> OSError:
+    by_name = {
+        "FileNotFoundError": FileNotFoundError,
+        "IsADirectoryError": IsADirectoryError,
+        "NotADirectoryError": NotADirectoryError,
+        "PermissionError": PermissionError,
+        "FileExistsError": FileExistsError,
+    }
+    return by_name.get(kind, OSError)(f"{kind}: {message}" if path is None else message)
+
+
+def _failed(
+    outcome: ExecOutcome, started: float, message: str, *, exit_code: int | None = None
+) -> ExecResult:
+    return ExecResult(
+        stdout="",
+        stderr=message,
+        exit_code=exit_code,
+        outcome=outcome,
+        duration_ms=(time.monotonic() - started) * 1000,
+        stdout_bytes_total=0,
+        stderr_bytes_total=len(message.encode()),
+    )
+
+
+def join_capped(head: bytes, tail: bytes, total: int) -> str:
+    """Head + tail as text, with a marker saying how many bytes were cut in between."""
+    omitted = total - len(head) - len(tail)
+    if omitted <= 0:
+        return (head + tail).decode("utf-8", "replace")
+    marker = f"\n[... {omitted} bytes of output omitted ...]\n"
+    return head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace")
+
+
+def _exec_result(header: dict[str, Any], data: bytes) -> ExecResult:
+    sizes = header["sizes"]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    chunks = [data[offsets[i] : offsets[i + 1]] for i in range(4)]
+    return ExecResult(
+        stdout=join_capped(chunks[0], chunks[1], header["stdout_total"]),
+        stderr=join_capped(chunks[2], chunks[3], header["stderr_total"]),
+        exit_code=header["exit_code"],
+        outcome=ExecOutcome(header["outcome"]),
+        duration_ms=float(header["duration_ms"]),
+        stdout_bytes_total=int(header["stdout_total"]),
+        stderr_bytes_total=int(header["stderr_total"]),
+    )
+
+
+def collector_id() -> str:
+    """``hostname:pid`` of this process (the ``sandpiper.collector`` label)."""
+    return f"{os.uname().nodename}:{os.getpid()}"

@@ -1,0 +1,210 @@
+"""A warm pool of podman sandboxes: acquire one per episode, release it back.
+
+- The pool holds at most ``config.pool_size`` containers in total and starts them ahead of
+  demand (at most ``config.max_concurrent_starts`` starting at once); ``acquire`` waits for
+  an idle one.
+- ``release`` resets the sandbox in the background (every process but init killed, the
+  workspace, /tmp and /dev/shm wiped, the shell state reset) and puts it back; a broken or
+  dead sandbox, or one whose reset fails, is removed and replaced.
+- Containers carry the labels given to the pool (e.g. ``sandpiper.run``) plus
+  ``sandpiper.collector=<hostname:pid>``; the current episode and task of each container are
+  kept in a small host-side registry file (podman labels are immutable), which
+  ``sandpiper sandbox ls`` shows. ``sandpiper sandbox gc`` removes containers whose
+  collector process is gone.
+
+Usage::
+
+    pool = SandboxPool(config, labels={"sandpiper.run": run_id})
+    await pool.start()
+    async with pool.session(episode_id=e, task_id=t) as box:
+        await box.exec("ls")
+    await pool.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+
+from collector.sandbox.podman import PodmanSandbox, collector_id
+from collector.sandbox.uids import UidSlots
+from sandpiper.config import SandboxConfig
+from sandpiper.errors import SandboxError
+
+log = logging.getLogger(__name__)
+
+REGISTRY_DIR = Path(tempfile.gettempdir()) / "sandpiper-sandboxes"
+"""Host-side ``<container>.json`` files: which episode and task each container serves."""
+START_RETRIES = 3
+
+
+class SandboxPool:
+    """Warm containers for episodes. Not thread-safe; use from one event loop."""
+
+    def __init__(self, config: SandboxConfig, *, labels: Mapping[str, str]) -> None:
+        self.config = config
+        self.labels = {**labels, "sandpiper.collector": collector_id()}
+        self._idle: asyncio.Queue[PodmanSandbox | BaseException] = asyncio.Queue()
+        self._total = 0
+        self._starts = asyncio.Semaphore(config.max_concurrent_starts)
+        self._tasks: set[asyncio.Task] = set()
+        self._in_use: dict[str, PodmanSandbox] = {}
+        self._uids: UidSlots | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        """Check the host enforces the limits (cached), then start warming containers."""
+        from collector.sandbox.check import ensure_limits_enforced
+
+        self._uids = UidSlots.for_host(self.config)
+        await ensure_limits_enforced(self.config)
+        REGISTRY_DIR.mkdir(parents=True, exist_ok=True)
+        for _ in range(self.config.pool_size):
+            self._spawn_start()
+
+    def _spawn_start(self) -> None:
+        self._total += 1
+        self._background(self._start_one())
+
+    def _background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start_one(self) -> None:
+        error: BaseException | None = None
+        for attempt in range(START_RETRIES):
+            if self._closed:
+                break
+            try:
+                async with self._starts:
+                    box = await self._create()
+                self._idle.put_nowait(box)
+                return
+            except SandboxError as e:
+                error = e
+                log.warning("sandbox start failed (attempt %d): %s", attempt + 1, e)
+                await asyncio.sleep(0.5 * 2**attempt)
+        self._total -= 1
+        self._idle.put_nowait(error or SandboxError("the pool is closed"))
+
+    async def _create(self) -> PodmanSandbox:
+        assert self._uids is not None, "call start() first"
+        slot = self._uids.acquire()
+        try:
+            box = await PodmanSandbox.create(
+                self.config, labels=self.labels, uid_base=self._uids.base(slot)
+            )
+        except BaseException:
+            self._uids.release(slot)
+            raise
+        box.uid_slot = slot  # type: ignore[attr-defined]
+        return box
+
+    async def acquire(self, *, episode_id: str, task_id: str) -> PodmanSandbox:
+        """A clean, started sandbox for one episode (waits while all are in use)."""
+        if self._closed:
+            raise SandboxError("the sandbox pool is closed")
+        if self._idle.empty() and self._total < self.config.pool_size:
+            self._spawn_start()
+        item = await self._idle.get()
+        if isinstance(item, BaseException):
+            raise SandboxError(f"could not start a sandbox: {item}") from item
+        self._in_use[item.id] = item
+        _write_registry(item.id, episode_id=episode_id, task_id=task_id)
+        return item
+
+    async def release(self, sandbox: PodmanSandbox, *, broken: bool = False) -> None:
+        """Give a sandbox back: reset and reuse it, or replace it when broken or dead."""
+        self._in_use.pop(sandbox.id, None)
+        _write_registry(sandbox.id, episode_id=None, task_id=None)
+        self._background(self._recycle(sandbox, broken=broken))
+
+    async def _recycle(self, box: PodmanSandbox, *, broken: bool) -> None:
+        if not broken and box.alive and not self._closed:
+            try:
+                await box.reset()
+                if box.alive:
+                    self._idle.put_nowait(box)
+                    return
+            except SandboxError as e:
+                log.warning("reset of %s failed, replacing it: %s", box.id, e)
+        await self._discard(box)
+        self._total -= 1
+        if not self._closed:
+            self._spawn_start()
+
+    async def _discard(self, box: PodmanSandbox) -> None:
+        await box.close()
+        _remove_registry(box.id)
+        if self._uids is not None and hasattr(box, "uid_slot"):
+            self._uids.release(box.uid_slot)
+
+    @contextlib.asynccontextmanager
+    async def session(self, *, episode_id: str, task_id: str) -> AsyncIterator[PodmanSandbox]:
+        """``acquire`` … ``release``; an exception inside marks the sandbox broken."""
+        box = await self.acquire(episode_id=episode_id, task_id=task_id)
+        try:
+            yield box
+        except BaseException:
+            await self.release(box, broken=True)
+            raise
+        await self.release(box, broken=not box.alive)
+
+    @property
+    def idle_count(self) -> int:
+        return self._idle.qsize()
+
+    async def wait_warm(self, timeout_s: float = 120.0) -> None:
+        """Wait until ``pool_size`` containers are idle (tests and benchmarks)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._idle.qsize() < self.config.pool_size:
+            if asyncio.get_running_loop().time() > deadline:
+                raise SandboxError(f"only {self._idle.qsize()} sandboxes warm after {timeout_s} s")
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        """Remove every container of this pool (idle, in use and starting)."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        boxes = list(self._in_use.values())
+        while not self._idle.empty():
+            item = self._idle.get_nowait()
+            if isinstance(item, PodmanSandbox):
+                boxes.append(item)
+        self._in_use.clear()
+        await asyncio.gather(*(self._discard(b) for b in boxes), return_exceptions=True)
+        # a start cancelled mid-way may have left a container: remove by our collector label
+        from collector.sandbox.janitor import remove_containers
+
+        await remove_containers({"sandpiper.collector": self.labels["sandpiper.collector"]})
+
+
+def _write_registry(name: str, *, episode_id: str | None, task_id: str | None) -> None:
+    path = REGISTRY_DIR / f"{name}.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"episode": episode_id, "task": task_id}))
+        os.replace(tmp, path)
+    except OSError as e:  # informational only; never fail an episode for it
+        log.debug("registry write failed: %s", e)
+
+
+def _remove_registry(name: str) -> None:
+    with contextlib.suppress(OSError):
+        (REGISTRY_DIR / f"{name}.json").unlink()
+
+
+def read_registry(name: str) -> dict[str, str | None]:
+    try:
+        return json.loads((REGISTRY_DIR / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,241 @@
+"""The agent's tools bound to one episode's sandbox: ``execute_bash``, ``str_replace_editor``,
+``submit``.
+
+``Toolbox.call`` never raises for anything the agent did: unknown tools, arguments of the
+wrong type, oversized arguments and usage errors come back as a :class:`ToolResult` with
+``error_kind`` set and a message the agent can act on. Only a sandbox that cannot be used any
+more shows up as ``error_kind = sandbox_died``.
+
+``submit`` copies the task's tests into the sandbox only then (so the agent cannot read them
+earlier), kills every process the agent left running, runs the task's test command with a
+clean environment and a timeout, and parses the reward (formats: :mod:`collector.tools.reward`).
+The test command is task configuration (trusted); the tests folder and the answer reach it as
+``$TESTS_DIR`` and ``$ANSWER_FILE`` — never interpolated into a shell string.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from collector.sandbox.base import ExecOutcome, ExecResult, Sandbox
+from collector.tools.base import ToolResult
+from collector.tools.editor import Editor, EditorError
+from collector.tools.reward import parse_reward
+from sandpiper.errors import SandboxError
+from store.records import ToolErrorKind
+
+TESTS_DIR = "/tmp/.sandpiper-tests"
+ANSWER_FILE = "/tmp/.sandpiper-answer"
+MAX_ARGUMENT_BYTES = 256 * 1024
+"""Arguments larger than this (as JSON) are refused before anything runs."""
+MAX_TEST_OUTPUT_CHARS = 4000
+
+_OUTCOME_KIND = {
+    ExecOutcome.OK: ToolErrorKind.NONE,
+    ExecOutcome.TIMED_OUT: ToolErrorKind.TIMED_OUT,
+    ExecOutcome.OOM_KILLED: ToolErrorKind.OOM_KILLED,
+    ExecOutcome.SANDBOX_DIED: ToolErrorKind.SANDBOX_DIED,
+}
+# name -> {argument: (accepted types, required)}
+_ARGUMENTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "execute_bash": {"command": ((str,), True), "timeout": ((int, float), False)},
+    "str_replace_editor": {
+        "command": ((str,), True),
+        "path": ((str,), True),
+        "file_text": ((str,), False),
+        "old_str": ((str,), False),
+        "new_str": ((str,), False),
+        "insert_line": ((int,), False),
+        "view_range": ((list,), False),
+    },
+    "submit": {"answer": ((str,), False)},
+}
+
+
+class Toolbox:
+    """The tools of one episode. Create one per episode (the editor keeps undo history)."""
+
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        *,
+        tests_dir: Path | None,
+        test_command: str | None,
+        test_timeout_s: float,
+        exec_timeout_s: float,
+        max_exec_timeout_s: float | None = None,
+        max_argument_bytes: int = MAX_ARGUMENT_BYTES,
+    ) -> None:
+        self.sandbox = sandbox
+        self.tests_dir = tests_dir
+        self.test_command = test_command
+        self.test_timeout_s = test_timeout_s
+        self.exec_timeout_s = exec_timeout_s
+        self.max_exec_timeout_s = max_exec_timeout_s or 4 * exec_timeout_s
+        self.max_argument_bytes = max_argument_bytes
+        self.editor = Editor(sandbox)  # type: ignore[arg-type]  # PodmanSandbox has stat/tree
+
+    async def call(self, name: str, arguments: dict[str, Any] | str) -> ToolResult:
+        """Run one tool call; every agent mistake is returned as data."""
+        started = time.monotonic()
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as e:
+                return ToolResult(
+                    f"Error: arguments are not valid JSON: {e}", ToolErrorKind.BAD_JSON
+                )
+        problem = self._check_arguments(name, arguments)
+        if problem is not None:
+            return problem
+        try:
+            if name == "execute_bash":
+                return await self._bash(arguments)
+            if name == "str_replace_editor":
+                return await self._edit(arguments, started)
+            return await self._submit(arguments, started)
+        except SandboxError as e:
+            return ToolResult(
+                f"Error: the sandbox failed: {e}",
+                ToolErrorKind.SANDBOX_DIED,
+                duration_ms=_ms(started),
+            )
+
+    def _check_arguments(self, name: str, arguments: Any) -> ToolResult | None:
+        spec = _ARGUMENTS.get(name)
+        if spec is None:
+            known = ", ".join(_ARGUMENTS)
+            return ToolResult(
+                f"Error: unknown tool {name!r}. Available tools: {known}.",
+                ToolErrorKind.UNKNOWN_TOOL,
+            )
+        if not isinstance(arguments, dict):
+            return ToolResult(
+                f"Error: the arguments of {name} must be a JSON object.",
+                ToolErrorKind.BAD_ARGUMENTS,
+            )
+        size = len(json.dumps(arguments, ensure_ascii=False).encode())
+        if size > self.max_argument_bytes:
+            return ToolResult(
+                f"Error: the arguments of {name} are {size} bytes; the limit is "
+                f"{self.max_argument_bytes} bytes. Write large content in smaller pieces.",
+                ToolErrorKind.ARGUMENTS_TOO_LARGE,
+            )
+        for key, value in arguments.items():
+            if key not in spec:
+                return _bad(f"unknown parameter `{key}` for {name}; allowed: {', '.join(spec)}")
+            types, _ = spec[key]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+                wanted = " or ".join(_type_name(t) for t in types)
+                got = _type_name(type(value))
+                return _bad(f"parameter `{key}` of {name} must be {wanted}, got {got}")
+        for key, (_, required) in spec.items():
+            if required and arguments.get(key) is None:
+                return _bad(f"missing required parameter `{key}` for {name}")
+        return None
+
+    async def _bash(self, arguments: dict[str, Any]) -> ToolResult:
+        timeout_s = float(arguments.get("timeout") or self.exec_timeout_s)
+        timeout_s = max(1.0, min(timeout_s, self.max_exec_timeout_s))
+        result = await self.sandbox.exec(arguments["command"], timeout_s=timeout_s)
+        return ToolResult(
+            output=format_exec(result, timeout_s),
+            error_kind=_OUTCOME_KIND[result.outcome],
+            exit_code=result.exit_code,
+            duration_ms=result.duration_ms,
+            timed_out=result.outcome is ExecOutcome.TIMED_OUT,
+            output_bytes_total=result.stdout_bytes_total + result.stderr_bytes_total,
+        )
+
+    async def _edit(self, arguments: dict[str, Any], started: float) -> ToolResult:
+        try:
+            output = await self.editor(**arguments)
+        except EditorError as e:
+            message = str(e)
+            return ToolResult(
+                message,
+                ToolErrorKind.TOOL_ERROR,
+                duration_ms=_ms(started),
+                output_bytes_total=len(message.encode()),
+            )
+        except ValueError as e:  # e.g. a NUL byte in a path
+            return _bad(str(e))
+        return ToolResult(output, duration_ms=_ms(started), output_bytes_total=len(output.encode()))
+
+    async def _submit(self, arguments: dict[str, Any], started: float) -> ToolResult:
+        answer = arguments.get("answer")
+        if self.test_command is None and self.tests_dir is None:
+            return ToolResult("Submitted.", submitted=True, answer=answer, duration_ms=_ms(started))
+        box: Any = self.sandbox  # PodmanSandbox and the fake have the extended API
+        await box.kill_all()  # nothing the agent left running may touch the tests
+        env = {"TESTS_DIR": TESTS_DIR, "ANSWER_FILE": ANSWER_FILE}
+        await box.write_file(ANSWER_FILE, (answer or "").encode())
+        if self.tests_dir is not None:
+            await box.copy_in(self.tests_dir, TESTS_DIR, replace=True)
+        command = self.test_command or 'bash "$TESTS_DIR/run.sh"'
+        result = await box.exec(
+            command, timeout_s=self.test_timeout_s, cwd="/workspace", env=env, clean_env=True
+        )
+        if result.outcome is ExecOutcome.SANDBOX_DIED:
+            return ToolResult(
+                f"Error: the sandbox died while running the tests: {result.stderr[-500:]}",
+                ToolErrorKind.SANDBOX_DIED,
+                submitted=True,
+                answer=answer,
+                duration_ms=_ms(started),
+            )
+        reward, details = parse_reward(result.stdout, result.exit_code)
+        if result.outcome is not ExecOutcome.OK:
+            reward, details = 0.0, {"format": "outcome", "outcome": str(result.outcome)}
+        details["exit_code"] = result.exit_code
+        details["output"] = _tail(result.stdout + result.stderr, MAX_TEST_OUTPUT_CHARS)
+        return ToolResult(
+            "Submitted.",
+            submitted=True,
+            answer=answer,
+            exit_code=result.exit_code,
+            duration_ms=_ms(started),
+            timed_out=result.outcome is ExecOutcome.TIMED_OUT,
+            test_reward=reward,
+            test_details=details,
+        )
+
+
+def format_exec(result: ExecResult, timeout_s: float) -> str:
+    """What the agent sees of a command: stdout, stderr, then a note on how it ended."""
+    parts = [result.stdout]
+    if result.stderr:
+        parts.append(result.stderr)
+    text = "\n".join(p.rstrip("\n") for p in parts if p)
+    if result.outcome is ExecOutcome.TIMED_OUT:
+        note = f"[The command timed out after {timeout_s:g} s and was killed.]"
+    elif result.outcome is ExecOutcome.OOM_KILLED:
+        note = "[The command was killed: out of memory.]"
+    elif result.outcome is ExecOutcome.SANDBOX_DIED:
+        note = "[The sandbox died.]"
+    elif result.exit_code:
+        note = f"[Exit code: {result.exit_code}]"
+    else:
+        note = ""
+    return "\n".join(p for p in (text, note) if p)
+
+
+def _bad(message: str) -> ToolResult:
+    return ToolResult(f"Error: {message}.", ToolErrorKind.BAD_ARGUMENTS)
+
+
+def _type_name(t: type) -> str:
+    return {str: "a string", int: "an integer", float: "a number", list: "an array"}.get(
+        t, t.__name__
+    )
+
+
+def _tail(text: str, limit: int) -> str:
+    return text if len(text) <= limit else "…" + text[-limit:]
+
+
+def _ms(started: float) -> float:
+    return (time.monotonic() - started) * 1000

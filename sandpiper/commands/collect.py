@@ -1,0 +1,68 @@
+"""``sandpiper collect``: the rollout daemon (or, with ``--eval``, a chat-endpoint evaluation)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from sandpiper.commands._common import ConfigOption, cli_errors, command, resolve_config
+
+
+def register(app: typer.Typer) -> None:
+    @command(app, "collect")
+    def collect(
+        ctx: typer.Context,
+        config: ConfigOption = None,
+        eval_mode: Annotated[
+            bool,
+            typer.Option(
+                "--eval",
+                help="Evaluate a model behind an OpenAI-compatible chat endpoint once per task "
+                "(stored untrainable, split=validation) instead of collecting.",
+            ),
+        ] = False,
+        endpoint: Annotated[
+            str | None, typer.Option(help="Chat endpoint base URL for --eval (…/v1 optional).")
+        ] = None,
+        model: Annotated[str, typer.Option(help="Model name sent to the endpoint (--eval).")] = "",
+        api_key: Annotated[
+            str | None,
+            typer.Option(envvar="OPENAI_API_KEY", help="Bearer token for the endpoint (--eval)."),
+        ] = None,
+    ) -> None:
+        """Collect GRPO groups until stopped (SIGTERM/Ctrl-C drains and flushes).
+
+        Extra ``--part.field VALUE`` args override the config, e.g. ``--collector.group_size 4``.
+        """
+        import asyncio
+        import logging
+        import signal
+
+        from sandpiper.config import write_resolved
+
+        cfg = resolve_config(config, ctx)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        with cli_errors():
+            write_resolved(cfg)
+            if eval_mode:
+                if not endpoint:
+                    raise typer.BadParameter("--eval needs --endpoint URL")
+                from collector.eval import evaluate
+
+                n = asyncio.run(evaluate(cfg, endpoint_url=endpoint, model=model, api_key=api_key))
+                typer.echo(f"evaluated {n} tasks; stored as run {cfg.name!r} (split=validation)")
+                return
+            from collector.launch import collect as run_collector
+
+            async def main() -> None:
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, stop.set)
+                metrics = await run_collector(cfg, stop=stop)
+                typer.echo(
+                    f"stopped: {metrics.groups_total} groups, {metrics.episodes_total} episodes"
+                )
+
+            asyncio.run(main())

@@ -1,0 +1,60 @@
+"""``sandpiper tasks import|list``: normalise task sources and inspect their splits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sandpiper.commands._common import cli_errors
+
+FORMATS = ("auto", "jsonl", "folder", "llm_in_sandbox")
+
+
+def register(app: typer.Typer) -> None:
+    tasks_app = typer.Typer(help="Import and inspect task sets.", no_args_is_help=True)
+    app.add_typer(tasks_app, name="tasks")
+
+    @tasks_app.command("import")
+    def import_(
+        source: Annotated[Path, typer.Argument(help="JSONL file, task folder or folder of them.")],
+        out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")],
+        fmt: Annotated[
+            str, typer.Option("--format", help=f"Source format: {', '.join(FORMATS)}.")
+        ] = "auto",
+        validation_fraction: Annotated[
+            float, typer.Option(help="Fraction of tasks hashed into the validation split.")
+        ] = 0.0,
+        split_seed: Annotated[int, typer.Option(help="Seed of the hash split.")] = 0,
+    ) -> None:
+        """Write task folders and a ``tasks.jsonl`` index (with each task's split) to OUT.
+
+        ``--format llm_in_sandbox`` converts rows of prompt + ground truth (+ context
+        documents) into task folders whose inputs are files in the sandbox."""
+        from collector.tasks import import_tasks
+
+        with cli_errors():
+            tasks = import_tasks(
+                source, out, fmt=fmt, validation_fraction=validation_fraction, split_seed=split_seed
+            )
+        n_val = sum(t.split.value == "validation" for t in tasks)
+        typer.echo(f"imported {len(tasks)} tasks into {out} ({n_val} validation)")
+
+    @tasks_app.command("list")
+    def list_(
+        source: Annotated[Path, typer.Argument(help="JSONL file, task folder or folder of them.")],
+        validation_fraction: Annotated[
+            float, typer.Option(help="Fraction of tasks hashed into the validation split.")
+        ] = 0.0,
+        split_seed: Annotated[int, typer.Option(help="Seed of the hash split.")] = 0,
+    ) -> None:
+        """Print one line per task: id, split, format, reward kind."""
+        from collector.tasks import load_tasks
+
+        with cli_errors():
+            tasks = load_tasks(
+                source, validation_fraction=validation_fraction, split_seed=split_seed
+            )
+        for t in tasks:
+            typer.echo(f"{t.task_id}\t{t.split.value}\t{t.format}\t{t.reference.get('reward')}")

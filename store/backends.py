@@ -1,0 +1,187 @@
+"""What differs between the two store backends: opening connections and bulk Arrow I/O.
+
+- :class:`DuckDBBackend`: one file; every transaction takes the cross-process lock, opens
+  the file (read-write or read-only), runs, closes. Bulk inserts register Arrow tables and
+  ``INSERT … SELECT`` from them; reads fetch Arrow directly.
+- :class:`PostgresBackend`: a pooled engine; bulk inserts stream rows with ``COPY``; claims
+  use ``FOR UPDATE SKIP LOCKED`` so that concurrent learners never take the same group.
+
+Both insert only groups whose ``group_id`` is not stored yet (idempotent ingest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import sqlalchemy as sa
+
+from sandpiper.errors import StoreError
+from store import schema
+from store.locking import DuckDBFileLock
+
+_DUCKDB_CONFIG = {"autoinstall_known_extensions": False}
+"""Only bundled extensions exist offline; never try to download one."""
+
+
+def _keep_new(tables: dict[str, pa.Table], new_ids: pa.Array) -> dict[str, pa.Table]:
+    return {n: t.filter(pc.is_in(t["group_id"], value_set=new_ids)) for n, t in tables.items()}
+
+
+class DuckDBBackend:
+    """Short, lock-protected connections to one DuckDB file."""
+
+    skip_locked = False  # the file lock already serialises claimers
+
+    def __init__(self, url: str, *, lock_timeout_s: float) -> None:
+        self.url = url
+        self.path = Path(sa.make_url(url).database or "")
+        if not self.path.name or str(self.path) == ":memory:":
+            raise StoreError(f"DuckDB store needs a file path, got {url!r}")
+        self.lock = DuckDBFileLock(self.path, timeout_s=lock_timeout_s)
+        pool = sa.pool.NullPool  # each checkout opens the file, each release closes it
+        self._rw = sa.create_engine(url, poolclass=pool, connect_args={"config": _DUCKDB_CONFIG})
+        self._ro = sa.create_engine(
+            url, poolclass=pool, connect_args={"read_only": True, "config": _DUCKDB_CONFIG}
+        )
+
+    def prepare(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def write(self) -> Iterator[sa.Connection]:
+        """Lock, open read-write, one transaction, close."""
+        with self.lock.hold(write=True), self._rw.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def read(self) -> Iterator[sa.Connection]:
+        """Lock briefly, open read-only, close."""
+        if not self.path.exists():
+            raise StoreError(f"no store at {self.path}; run `sandpiper store init --url {self.url}`")
+        with self.lock.hold(write=False), self._ro.connect() as conn:
+            yield conn
+
+    def insert_new(self, conn: sa.Connection, tables: dict[str, pa.Table]) -> int:
+        """Insert the groups not stored yet (all their rows); returns how many."""
+        raw = conn.connection.dbapi_connection
+        raw.register("_in_groups_ids", tables["groups"].select(["group_id"]))
+        try:
+            new = raw.execute(
+                "SELECT group_id FROM _in_groups_ids WHERE group_id NOT IN "
+                "(SELECT group_id FROM groups)"
+            ).fetch_arrow_table()["group_id"]
+        finally:
+            raw.unregister("_in_groups_ids")
+        if len(new) == 0:
+            return 0
+        for name, table in _keep_new(tables, new.combine_chunks()).items():
+            if table.num_rows == 0:
+                continue
+            cols = ", ".join(f'"{c}"' for c in table.column_names)
+            raw.register("_in_rows", table)
+            try:
+                raw.execute(f'INSERT INTO "{name}" ({cols}) SELECT {cols} FROM _in_rows')
+            finally:
+                raw.unregister("_in_rows")
+        return len(new)
+
+    def in_list(self, column: str, values: list[str]) -> tuple[str, list]:
+        """A WHERE fragment ``column IN values`` with one list parameter, for fetch_arrow."""
+        return f"{column} IN (SELECT unnest(?))", [list(values)]
+
+    def fetch_arrow(self, conn: sa.Connection, sql: str, params: list | None = None) -> pa.Table:
+        raw = conn.connection.dbapi_connection
+        return raw.execute(sql, params or []).fetch_arrow_table()
+
+    def dispose(self) -> None:
+        self._rw.dispose()
+        self._ro.dispose()
+
+
+class PostgresBackend:
+    """A pooled engine; COPY for bulk rows; SKIP LOCKED claims."""
+
+    skip_locked = True
+
+    def __init__(self, url: str, *, lock_timeout_s: float) -> None:
+        self.url = url
+        ms = int(lock_timeout_s * 1000)
+        self._engine = sa.create_engine(
+            url,
+            pool_pre_ping=True,
+            connect_args={"options": f"-c lock_timeout={ms} -c statement_timeout=0"},
+        )
+
+    def prepare(self) -> None:
+        pass
+
+    @contextmanager
+    def write(self) -> Iterator[sa.Connection]:
+        with self._engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def read(self) -> Iterator[sa.Connection]:
+        with self._engine.connect() as conn:
+            conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+            try:
+                yield conn
+            finally:
+                conn.rollback()
+
+    def _copy(self, conn: sa.Connection, name: str, table: pa.Table) -> None:
+        cols = ", ".join(f'"{c}"' for c in table.column_names)
+        cursor = conn.connection.dbapi_connection.cursor()
+        with cursor.copy(f'COPY "{name}" ({cols}) FROM STDIN') as copy:
+            for batch in table.to_batches(max_chunksize=4096):
+                for row in zip(*(c.to_pylist() for c in batch.columns), strict=True):
+                    copy.write_row(row)
+
+    def insert_new(self, conn: sa.Connection, tables: dict[str, pa.Table]) -> int:
+        """COPY groups into a temp table, keep those ``ON CONFLICT DO NOTHING`` inserted."""
+        conn.exec_driver_sql(
+            "CREATE TEMP TABLE IF NOT EXISTS _in_groups (LIKE groups) ON COMMIT DELETE ROWS"
+        )
+        self._copy(conn, "_in_groups", tables["groups"])
+        new = conn.exec_driver_sql(
+            "INSERT INTO groups SELECT * FROM _in_groups ON CONFLICT (group_id) DO NOTHING "
+            "RETURNING group_id"
+        ).scalars()
+        new_ids = pa.array(list(new), pa.string())
+        if len(new_ids) == 0:
+            return 0
+        for name, table in _keep_new(tables, new_ids).items():
+            if name != "groups" and table.num_rows:
+                self._copy(conn, name, table)
+        return len(new_ids)
+
+    def in_list(self, column: str, values: list[str]) -> tuple[str, list]:
+        return f"{column} = ANY(?)", [list(values)]
+
+    def fetch_arrow(self, conn: sa.Connection, sql: str, params: list | None = None) -> pa.Table:
+        """Rows → Arrow in the columns' declared types (psycopg has no Arrow fetch)."""
+        sql = sql.replace("?", "%s")  # one placeholder style for both backends' SQL
+        cursor = conn.connection.dbapi_connection.cursor()
+        cursor.execute(sql, params or [])
+        names = [d.name for d in cursor.description]
+        rows = cursor.fetchall()
+        return pa.table({n: [r[i] for r in rows] for i, n in enumerate(names)})
+
+    def dispose(self) -> None:
+        self._engine.dispose()
+
+
+def make_backend(url: str, *, lock_timeout_s: float) -> DuckDBBackend | PostgresBackend:
+    scheme = sa.make_url(url).get_backend_name()
+    if scheme == "duckdb":
+        return DuckDBBackend(url, lock_timeout_s=lock_timeout_s)
+    if scheme == "postgresql":
+        return PostgresBackend(url, lock_timeout_s=lock_timeout_s)
+    raise StoreError(f"unsupported store URL {url!r}: use duckdb:///path or postgresql+psycopg://")
+
+
+__all__ = ["DuckDBBackend", "PostgresBackend", "make_backend", "schema"]

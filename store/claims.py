@@ -1,0 +1,145 @@
+"""The learner's side of the store: claim groups by policy version, load them as numpy.
+
+A claim is one transaction: drop stale READY groups, pick the oldest eligible groups (READY,
+or CLAIMED with an expired lease, or CLAIMED earlier by the same learner so that a restarted
+learner re-takes its own claim), mark them CLAIMED under a new ``claim_id`` and lease, and
+load their token arrays. PostgreSQL picks with ``FOR UPDATE … SKIP LOCKED``; DuckDB needs
+nothing more than its cross-process file lock, which serialises every writer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import sqlalchemy as sa
+
+from store import arrow_io, schema
+from store.records import GroupStatus, Split, TrainBatch, TrainEpisode, TrainGroup
+
+T = schema
+READY, CLAIMED = GroupStatus.READY.value, GroupStatus.CLAIMED.value
+
+
+def claim(store, *, run_id: str, learner_id: str, n_groups: int, max_lag: int, lease_s: float):
+    """See :meth:`store.Store.claim_batch`."""
+    from store.store import _now, lease_deadline, new_claim_id
+
+    gs, g, pol = T.group_states, T.groups, T.policies
+    now = _now()
+    with store._write() as conn:
+        current = conn.execute(
+            sa.select(sa.func.max(pol.c.version)).where(pol.c.run_id == run_id)
+        ).scalar()
+        current = 0 if current is None else int(current)
+        stale = sa.select(g.c.group_id).where(
+            g.c.run_id == run_id, g.c.min_policy_version < current - max_lag
+        )
+        dropped = conn.execute(
+            sa.update(gs)
+            .where(gs.c.run_id == run_id, gs.c.status == READY, gs.c.group_id.in_(stale))
+            .values(status=GroupStatus.DROPPED_STALE.value, updated_at=now)
+        ).rowcount
+        eligible = sa.or_(
+            gs.c.status == READY,
+            sa.and_(
+                gs.c.status == CLAIMED,
+                sa.or_(gs.c.lease_expires_at < now, gs.c.claimed_by == learner_id),
+            ),
+        )
+        own_first = sa.case((gs.c.claimed_by == learner_id, 0), else_=1)
+        pick = (
+            sa.select(gs.c.group_id)
+            .join(g, g.c.group_id == gs.c.group_id)
+            .where(gs.c.run_id == run_id, g.c.split == Split.TRAIN.value, eligible)
+            .order_by(own_first, g.c.committed_at, g.c.group_id)
+            .limit(n_groups)
+        )
+        if store.backend.skip_locked:
+            pick = pick.with_for_update(skip_locked=True, of=gs)
+        ids = list(conn.execute(pick).scalars())
+        if len(ids) < n_groups:
+            return None  # the stale drops above still commit: they must not block backpressure
+        claim_id = new_claim_id()
+        conn.execute(
+            sa.update(gs)
+            .where(gs.c.group_id.in_(ids))
+            .values(
+                status=CLAIMED,
+                claim_id=claim_id,
+                claimed_by=learner_id,
+                lease_expires_at=lease_deadline(lease_s),
+                updated_at=now,
+            )
+        )
+        groups = load_groups(store, conn, ids, current)
+    return TrainBatch(
+        claim_id=claim_id, groups=groups, dropped_stale=int(dropped), current_version=current
+    )
+
+
+def load_groups(store, conn: sa.Connection, ids: list[str], current: int) -> tuple[TrainGroup, ...]:
+    """The groups ``ids`` (in that order) with their episodes' per-token arrays."""
+    g = T.groups
+    meta = {
+        r.group_id: r
+        for r in conn.execute(
+            sa.select(g.c.group_id, g.c.task_id, g.c.min_policy_version).where(
+                g.c.group_id.in_(ids)
+            )
+        )
+    }
+    by_group: dict[str, list[TrainEpisode]] = {gid: [] for gid in ids}
+    for gid, ep in _episodes(store, conn, group_ids=ids):
+        by_group[gid].append(ep)
+    return tuple(
+        TrainGroup(
+            group_id=gid,
+            task_id=meta[gid].task_id,
+            # a group without sampled tokens cannot be stale; treat it as current
+            min_policy_version=(
+                current if meta[gid].min_policy_version is None else meta[gid].min_policy_version
+            ),
+            episodes=tuple(by_group[gid]),
+        )
+        for gid in ids
+    )
+
+
+def load_episodes(store, conn: sa.Connection, *, episode_ids: list[str]) -> list[TrainEpisode]:
+    return [ep for _, ep in _episodes(store, conn, episode_ids=episode_ids)]
+
+
+def _episodes(store, conn, *, group_ids=None, episode_ids=None):
+    """(group_id, TrainEpisode) pairs ordered by group, sample index."""
+    e = T.episodes
+    key_col, keys = ("group_id", group_ids) if group_ids is not None else ("episode_id", episode_ids)
+    if not keys:
+        return []
+    rows = conn.execute(
+        sa.select(e.c.episode_id, e.c.group_id, e.c.reward, e.c.valid)
+        .where(e.c[key_col].in_(keys))
+        .order_by(e.c.group_id, e.c.sample_index)
+    ).all()
+    where, params = store.backend.in_list(key_col, keys)
+    turns = store.backend.fetch_arrow(
+        conn,
+        f"SELECT {', '.join(arrow_io.TRAIN_TURN_COLUMNS)} FROM turns WHERE {where} "
+        "ORDER BY episode_id, turn_index",
+        params,
+    )
+    meta = {r.episode_id: (r.reward, bool(r.valid)) for r in rows}
+    built = {ep.episode_id: ep for ep in arrow_io.train_episodes(turns, meta)}
+    return [(r.group_id, built.get(r.episode_id) or _empty(r.episode_id, meta)) for r in rows]
+
+
+def _empty(episode_id: str, meta: dict) -> TrainEpisode:
+    """An episode without turns (e.g. an infra failure before the first turn)."""
+    reward, valid = meta[episode_id]
+    return TrainEpisode(
+        episode_id=episode_id,
+        reward=reward,
+        valid=valid,
+        token_ids_T=np.zeros(0, np.int32),
+        loss_mask_T=np.zeros(0, bool),
+        behaviour_logprobs_T=np.zeros(0, np.float32),
+        policy_versions_T=np.zeros(0, np.int32),
+    )

@@ -1,0 +1,102 @@
+"""Schema migrations, registered by the version they produce and applied in one transaction.
+
+Version 1 is the baseline: it creates every table of ``store/schema.py``. A later change to
+the schema bumps ``schema.SCHEMA_VERSION`` and registers a function here that upgrades a
+store from the previous version (``ALTER TABLE …`` written for both backends).
+``sandpiper store migrate`` applies what is pending; opening a store of another version
+raises :class:`SchemaVersionError` saying what to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+from sandpiper.errors import SchemaVersionError
+from store import schema
+
+Migration = Callable[[sa.Connection], None]
+
+MIGRATIONS: dict[int, Migration] = {}
+"""version → function that upgrades a store at ``version - 1`` to ``version``."""
+
+
+def migration(version: int) -> Callable[[Migration], Migration]:
+    def register(fn: Migration) -> Migration:
+        if version in MIGRATIONS:
+            raise ValueError(f"migration {version} registered twice")
+        MIGRATIONS[version] = fn
+        return fn
+
+    return register
+
+
+@migration(1)
+def _baseline(conn: sa.Connection) -> None:
+    """Create every table (a fresh store)."""
+    schema.metadata.create_all(conn)
+
+
+def latest_version() -> int:
+    return max(MIGRATIONS)
+
+
+def read_version(conn: sa.Connection) -> int:
+    """The store's schema version; 0 when the store has no schema yet."""
+    # information_schema, not sa.inspect: reflection fails under duckdb-engine.
+    exists = conn.execute(
+        sa.text(
+            "SELECT count(*) FROM information_schema.tables "
+            "WHERE table_name = 'schema_meta' AND table_schema = current_schema()"
+        )
+    ).scalar_one()
+    if not exists:
+        return 0
+    row = conn.execute(
+        sa.select(schema.schema_meta.c.value).where(schema.schema_meta.c.key == "schema_version")
+    ).first()
+    return int(row[0]) if row else 0
+
+
+def _write_version(conn: sa.Connection, version: int) -> None:
+    meta = schema.schema_meta
+    conn.execute(sa.delete(meta).where(meta.c.key == "schema_version"))
+    conn.execute(sa.insert(meta).values(key="schema_version", value=str(version)))
+
+
+def apply(conn: sa.Connection, *, target: int | None = None) -> list[int]:
+    """Apply pending migrations inside the caller's transaction; returns versions applied."""
+    target = latest_version() if target is None else target
+    current = read_version(conn)
+    if current > target:
+        raise SchemaVersionError(
+            f"the store has schema version {current}, newer than this sandpiper "
+            f"(knows up to {target}); upgrade sandpiper to open it"
+        )
+    applied = []
+    for version in range(current + 1, target + 1):
+        MIGRATIONS[version](conn)
+        _write_version(conn, version)
+        applied.append(version)
+    return applied
+
+
+def check(version: int, url: str) -> None:
+    """Raise a :class:`SchemaVersionError` that says what to do unless ``version`` is current."""
+    latest = latest_version()
+    if version == latest:
+        return
+    if version == 0:
+        raise SchemaVersionError(
+            f"the store at {url} has no schema; run `sandpiper store init --url {url}`"
+        )
+    if version < latest:
+        raise SchemaVersionError(
+            f"the store at {url} has schema version {version}, this sandpiper needs {latest}; "
+            f"run `sandpiper store migrate --url {url}` (back up the store first)"
+        )
+    raise SchemaVersionError(
+        f"the store at {url} has schema version {version}, newer than this sandpiper "
+        f"(knows up to {latest}); upgrade sandpiper to open it"
+    )

@@ -1,0 +1,203 @@
+"""The store's tables, declared once (SQLAlchemy Core) — DDL and Arrow schemas derive from here.
+
+Both backends use this one declaration: DuckDB (embedded default) and PostgreSQL (JSON becomes
+JSONB there). Keys are natural strings (``run_id``, ``group_id``, ``episode_id``) so that
+ingest is idempotent without sequences (DuckDB rejects ``Identity``/SERIAL keys).
+
+Why a separate ``group_states`` table: claims update status columns often, and DuckDB's
+``UPDATE … RETURNING`` on a wide table is very slow; ``groups`` itself is written once.
+Analysis joins ``groups`` with ``group_states`` on ``group_id`` (the view ``group_status``
+in analysis does that).
+
+Token ids, sampling logprobs and per-token policy versions are ARRAY columns (INTEGER[],
+REAL[], INTEGER[]), never JSON. Rewards are DOUBLE (``Float`` is 4 bytes in DuckDB).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+SCHEMA_VERSION = 1
+"""Bump with a registered migration in ``store/migrations.py`` whenever a table changes."""
+
+metadata = sa.MetaData()
+
+# JSON text in DuckDB (json extension, bundled), JSONB on PostgreSQL.
+Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+Timestamp = sa.DateTime(timezone=True)
+
+schema_meta = sa.Table(
+    "schema_meta",
+    metadata,
+    sa.Column("key", sa.String, primary_key=True),
+    sa.Column("value", sa.String, nullable=False),
+    comment="Store metadata; key 'schema_version' holds the applied schema version.",
+)
+
+runs = sa.Table(
+    "runs",
+    metadata,
+    sa.Column("run_id", sa.String, primary_key=True),
+    sa.Column("config_json", Json, nullable=False, comment="Resolved run config."),
+    sa.Column("code_version", sa.String, nullable=False),
+    sa.Column("created_at", Timestamp, nullable=False),
+)
+
+policies = sa.Table(
+    "policies",
+    metadata,
+    sa.Column("run_id", sa.String, primary_key=True),
+    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("checkpoint_uri", sa.String, nullable=False),
+    sa.Column("parent_version", sa.Integer, comment="NULL for version 0."),
+    sa.Column("learner_step", sa.Integer, comment="NULL for version 0."),
+    sa.Column("created_at", Timestamp, nullable=False),
+)
+
+tasks = sa.Table(
+    "tasks",
+    metadata,
+    sa.Column("task_id", sa.String, primary_key=True),
+    sa.Column("source", sa.String, nullable=False),
+    sa.Column("format", sa.String, nullable=False),
+    sa.Column("instruction", sa.String, nullable=False),
+    sa.Column("reference", Json, nullable=False),
+    sa.Column("data_uri", sa.String, comment="NULL for prompt-only tasks."),
+    sa.Column("split", sa.String, nullable=False),
+)
+
+groups = sa.Table(
+    "groups",
+    metadata,
+    sa.Column("group_id", sa.String, primary_key=True),
+    sa.Column("run_id", sa.String, nullable=False),
+    sa.Column("task_id", sa.String, nullable=False),
+    sa.Column("split", sa.String, nullable=False),
+    sa.Column("sampling_params", Json, nullable=False),
+    sa.Column("n_episodes", sa.Integer, nullable=False),
+    sa.Column("n_valid", sa.Integer, nullable=False),
+    sa.Column("min_policy_version", sa.Integer, comment="Oldest sampled token; NULL if none."),
+    sa.Column("max_policy_version", sa.Integer, comment="Newest sampled token; NULL if none."),
+    sa.Column("created_at", Timestamp, nullable=False),
+    sa.Column("committed_at", Timestamp, nullable=False),
+)
+
+group_states = sa.Table(
+    "group_states",
+    metadata,
+    sa.Column("group_id", sa.String, primary_key=True),
+    sa.Column("run_id", sa.String, nullable=False),
+    sa.Column("status", sa.String, nullable=False, comment="store.records.GroupStatus value."),
+    sa.Column("claim_id", sa.String, comment="Current or last claim; NULL if never claimed."),
+    sa.Column("claimed_by", sa.String, comment="learner_id of the claim."),
+    sa.Column("lease_expires_at", Timestamp, comment="A claim past this may be re-taken."),
+    sa.Column("consumed_by_step", sa.Integer, comment="Learner step that trained on it."),
+    sa.Column("updated_at", Timestamp, nullable=False),
+    sa.Index("ix_group_states_run_status", "run_id", "status"),
+)
+
+episodes = sa.Table(
+    "episodes",
+    metadata,
+    sa.Column("episode_id", sa.String, primary_key=True),
+    sa.Column("group_id", sa.String, nullable=False),
+    sa.Column("run_id", sa.String, nullable=False),
+    sa.Column("task_id", sa.String, nullable=False),
+    sa.Column("sample_index", sa.Integer, nullable=False),
+    sa.Column("stop_reason", sa.String, nullable=False, comment="records.StopReason value."),
+    sa.Column("valid", sa.Boolean, nullable=False, comment="False: infra failure."),
+    sa.Column("trainable", sa.Boolean, nullable=False),
+    sa.Column("reward", sa.Double, comment="NULL when invalid or not scored."),
+    sa.Column("reward_breakdown", Json, nullable=False),
+    sa.Column("min_policy_version", sa.Integer),
+    sa.Column("max_policy_version", sa.Integer),
+    sa.Column("n_turns", sa.Integer, nullable=False),
+    sa.Column("completion_tokens", sa.Integer, nullable=False),
+    sa.Column("total_tokens", sa.Integer, nullable=False),
+    sa.Column("started_at", Timestamp, nullable=False),
+    sa.Column("duration_ms", sa.Double, nullable=False),
+    sa.Column("sandbox_id", sa.String),
+    sa.Column("error", sa.String, comment="Cause of an infra failure; NULL otherwise."),
+    sa.Index("ix_episodes_group", "group_id"),
+)
+
+turns = sa.Table(
+    "turns",
+    metadata,
+    sa.Column("episode_id", sa.String, primary_key=True),
+    sa.Column("turn_index", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("group_id", sa.String, nullable=False),
+    sa.Column("role", sa.String, nullable=False, comment="records.Role value."),
+    sa.Column("text", sa.String, nullable=False),
+    sa.Column("token_ids", sa.ARRAY(sa.Integer), nullable=False),
+    sa.Column("logprobs", sa.ARRAY(sa.REAL), comment="Sampling logprobs; NULL if not sampled."),
+    sa.Column("policy_versions", sa.ARRAY(sa.Integer), comment="Per token; NULL if not sampled."),
+    sa.Column("trainable", sa.Boolean, nullable=False, comment="In the loss (sampled tokens)."),
+    sa.Column("n_tokens", sa.Integer, nullable=False),
+    sa.Column("started_at", Timestamp, nullable=False),
+    sa.Column("duration_ms", sa.Double, nullable=False),
+    sa.Index("ix_turns_group", "group_id"),
+)
+
+tool_calls = sa.Table(
+    "tool_calls",
+    metadata,
+    sa.Column("episode_id", sa.String, primary_key=True),
+    sa.Column("turn_index", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("call_index", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("group_id", sa.String, nullable=False),
+    sa.Column("name", sa.String, nullable=False),
+    sa.Column("arguments", sa.String, nullable=False, comment="JSON text (raw if unparsable)."),
+    sa.Column("output", sa.String, nullable=False, comment="Capped head + tail."),
+    sa.Column("output_bytes_total", sa.BigInteger, nullable=False),
+    sa.Column("exit_code", sa.Integer),
+    sa.Column("duration_ms", sa.Double, nullable=False),
+    sa.Column("timed_out", sa.Boolean, nullable=False),
+    sa.Column("error_kind", sa.String, nullable=False, comment="records.ToolErrorKind value."),
+)
+
+learner_steps = sa.Table(
+    "learner_steps",
+    metadata,
+    sa.Column("run_id", sa.String, primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("policy_version", sa.Integer, nullable=False, comment="Version it produced."),
+    sa.Column("claim_id", sa.String, comment="Claim whose groups it consumed."),
+    sa.Column("n_groups", sa.Integer, nullable=False),
+    sa.Column("metrics", Json, nullable=False),
+    sa.Column("created_at", Timestamp, nullable=False),
+)
+
+BULK_TABLES = (groups, group_states, episodes, turns, tool_calls)
+"""Tables the writer fills from Arrow, parents first (one transaction per batch)."""
+
+
+def _arrow_type(col: sa.Column) -> pa.DataType:
+    t = col.type
+    if isinstance(t, sa.ARRAY):
+        item = t.item_type
+        return pa.list_(pa.float32() if isinstance(item, sa.REAL) else pa.int32())
+    if isinstance(t, sa.JSON):
+        return pa.string()  # JSON travels as text; both backends cast on insert
+    if isinstance(t, sa.DateTime):
+        return pa.timestamp("us", tz="UTC")
+    if isinstance(t, sa.Boolean):
+        return pa.bool_()
+    if isinstance(t, sa.BigInteger):
+        return pa.int64()
+    if isinstance(t, sa.Integer):
+        return pa.int32()
+    if isinstance(t, sa.Double):
+        return pa.float64()
+    if isinstance(t, sa.REAL):
+        return pa.float32()
+    if isinstance(t, sa.String):
+        return pa.string()
+    raise TypeError(f"no Arrow type for column {col.table.name}.{col.name}: {t!r}")
+
+
+def arrow_schema(table: sa.Table) -> pa.Schema:
+    """The Arrow schema of ``table``, derived column by column from the Core declaration."""
+    return pa.schema([pa.field(c.name, _arrow_type(c), nullable=c.nullable) for c in table.c])

@@ -1,0 +1,365 @@
+"""``Store``: the one object collector, learner and analysis use to reach the trajectory store.
+
+Every method is one short transaction (on DuckDB: lock, open, run, close — see
+``store/locking.py``). The learner's claim protocol:
+
+1. ``claim_batch`` marks READY groups older than ``current_version - max_lag`` as
+   ``dropped_stale`` (committed even when no batch is returned, so stale groups never block
+   the collector's backpressure), then claims the oldest READY groups under a lease.
+2. The learner trains, writes a checkpoint, and calls ``register_policy(..., claim_id=…)``,
+   which inserts the policy and the learner step and marks the claimed groups ``consumed``
+   in ONE transaction: a crash before it leaves the claim to be re-taken (by the same
+   learner at once, by another one after the lease), a crash after it never retrains them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from sandpiper.errors import StoreError
+from store import arrow_io, migrations, schema
+from store.backends import make_backend
+from store.records import (
+    GroupRecord,
+    GroupStatus,
+    PolicyRecord,
+    RunRecord,
+    Split,
+    TaskRecord,
+    TrainBatch,
+    TrainEpisode,
+    TrainGroup,
+)
+
+T = schema
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Store:
+    """A DuckDB file (``duckdb:///path``) or a PostgreSQL database (``postgresql+psycopg://``)."""
+
+    def __init__(self, url: str, *, lock_timeout_s: float = 60.0) -> None:
+        self.url = url
+        self.lock_timeout_s = lock_timeout_s
+        self.backend = make_backend(url, lock_timeout_s=lock_timeout_s)
+        self._checked = False
+
+    @property
+    def is_duckdb(self) -> bool:
+        return not self.backend.skip_locked
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    # ---- schema ----------------------------------------------------------------------
+
+    def init(self) -> None:
+        """Create the schema if the store has none (idempotent); refuses other versions."""
+        self.backend.prepare()
+        with self.backend.write() as conn:
+            version = migrations.read_version(conn)
+            if version == 0:
+                migrations.apply(conn)
+            else:
+                migrations.check(version, self.url)
+        self._checked = True
+
+    def migrate(self) -> list[int]:
+        """Apply pending migrations in one transaction; returns the versions applied."""
+        self.backend.prepare()
+        with self.backend.write() as conn:
+            applied = migrations.apply(conn)
+        self._checked = True
+        return applied
+
+    def schema_version(self) -> int:
+        with self.backend.read() as conn:
+            return migrations.read_version(conn)
+
+    def _check(self, conn: sa.Connection) -> None:
+        if not self._checked:
+            migrations.check(migrations.read_version(conn), self.url)
+            self._checked = True
+
+    @contextmanager
+    def _write(self) -> Iterator[sa.Connection]:
+        with self.backend.write() as conn:
+            self._check(conn)
+            yield conn
+
+    @contextmanager
+    def connect_readonly(self) -> Iterator[sa.Connection]:
+        """A read-only SQLAlchemy connection; keep it short (it holds the DuckDB lock)."""
+        with self.backend.read() as conn:
+            self._check(conn)
+            yield conn
+
+    # ---- runs, tasks, policies ---------------------------------------------------------
+
+    def ensure_run(self, run: RunRecord) -> None:
+        with self._write() as conn:
+            exists = conn.execute(sa.select(T.runs.c.run_id).where(T.runs.c.run_id == run.run_id))
+            if exists.first() is None:
+                conn.execute(
+                    sa.insert(T.runs).values(
+                        run_id=run.run_id,
+                        config_json=_json_value(run.config_json),
+                        code_version=run.code_version,
+                        created_at=run.created_at,
+                    )
+                )
+
+    def upsert_tasks(self, tasks: Iterable[TaskRecord]) -> None:
+        """Insert or replace tasks by ``task_id``."""
+        rows = [
+            {
+                "task_id": t.task_id,
+                "source": t.source,
+                "format": t.format,
+                "instruction": t.instruction,
+                "reference": t.reference,
+                "data_uri": t.data_uri,
+                "split": str(t.split),
+            }
+            for t in tasks
+        ]
+        if not rows:
+            return
+        with self._write() as conn:
+            ids = [r["task_id"] for r in rows]
+            for i in range(0, len(ids), 1000):
+                conn.execute(sa.delete(T.tasks).where(T.tasks.c.task_id.in_(ids[i : i + 1000])))
+            conn.execute(sa.insert(T.tasks), rows)
+
+    def register_policy(
+        self, policy: PolicyRecord, *, claim_id: str | None = None, metrics: dict | None = None
+    ) -> None:
+        """Insert the policy; with a learner step, also the step and consume its claim."""
+        pol = T.policies
+        with self._write() as conn:
+            existing = conn.execute(
+                sa.select(pol.c.learner_step).where(
+                    pol.c.run_id == policy.run_id, pol.c.version == policy.version
+                )
+            ).first()
+            if existing is not None:
+                if policy.version == 0 or existing[0] == policy.learner_step:
+                    return  # a retry of a registration that already committed
+                raise StoreError(
+                    f"policy version {policy.version} of run {policy.run_id} already exists "
+                    f"(from learner step {existing[0]})"
+                )
+            conn.execute(sa.insert(pol).values(**_policy_row(policy)))
+            if policy.learner_step is None:
+                return
+            n_groups = 0
+            if claim_id is not None:
+                n_groups = self._consume(conn, claim_id, policy.learner_step)
+            conn.execute(
+                sa.insert(T.learner_steps).values(
+                    run_id=policy.run_id,
+                    step=policy.learner_step,
+                    policy_version=policy.version,
+                    claim_id=claim_id,
+                    n_groups=n_groups,
+                    metrics=metrics or {},
+                    created_at=_now(),
+                )
+            )
+
+    def _consume(self, conn: sa.Connection, claim_id: str, step: int) -> int:
+        gs = T.group_states
+        n = conn.execute(
+            sa.update(gs)
+            .where(gs.c.claim_id == claim_id, gs.c.status == GroupStatus.CLAIMED.value)
+            .values(status=GroupStatus.CONSUMED.value, consumed_by_step=step, updated_at=_now())
+        ).rowcount
+        if n == 0:
+            raise StoreError(
+                f"claim {claim_id} holds no groups (its lease expired and another learner "
+                "re-took them, or it was released); not registering a policy trained on it"
+            )
+        return n
+
+    def latest_policy(self, run_id: str) -> PolicyRecord | None:
+        pol = T.policies
+        with self.connect_readonly() as conn:
+            row = conn.execute(
+                sa.select(pol).where(pol.c.run_id == run_id).order_by(pol.c.version.desc()).limit(1)
+            ).first()
+        if row is None:
+            return None
+        return PolicyRecord(
+            run_id=row.run_id,
+            version=row.version,
+            checkpoint_uri=row.checkpoint_uri,
+            parent_version=row.parent_version,
+            learner_step=row.learner_step,
+            created_at=row.created_at,
+        )
+
+    # ---- writing groups ------------------------------------------------------------------
+
+    def writer(
+        self,
+        *,
+        flush_interval_s: float = 1.5,
+        flush_max_episodes: int = 2000,
+        spool_dir: str | None = None,
+    ):
+        """A :class:`~store.writer.GroupWriter` (durable spool + background batch commits)."""
+        from store.writer import GroupWriter
+
+        return GroupWriter(
+            self,
+            flush_interval_s=flush_interval_s,
+            flush_max_episodes=flush_max_episodes,
+            spool_dir=spool_dir,
+        )
+
+    def default_spool_dir(self) -> str:
+        if self.is_duckdb:
+            return str(self.backend.path) + ".spool"
+        raise StoreError("a PostgreSQL store needs an explicit spool_dir (store.spool_dir)")
+
+    def write_groups(self, groups: list[GroupRecord]) -> int:
+        """Commit whole groups in one transaction (Arrow bulk insert); returns new groups."""
+        if not groups:
+            return 0
+        unique = list({g.group_id: g for g in groups}.values())
+        tables = arrow_io.groups_to_arrow(unique, _now())
+        with self._write() as conn:
+            return self.backend.insert_new(conn, tables)
+
+    # ---- learner ---------------------------------------------------------------------------
+
+    def claim_batch(
+        self, *, run_id: str, learner_id: str, n_groups: int, max_lag: int, lease_s: float = 600.0
+    ) -> TrainBatch | None:
+        """Claim the ``n_groups`` oldest fresh READY groups, or None if fewer are available."""
+        from store.claims import claim
+
+        return claim(
+            self, run_id=run_id, learner_id=learner_id, n_groups=n_groups, max_lag=max_lag,
+            lease_s=lease_s,
+        )  # fmt: skip
+
+    def release_claim(self, claim_id: str) -> None:
+        """Give a claim's groups back (READY) without training on them."""
+        gs = T.group_states
+        with self._write() as conn:
+            conn.execute(
+                sa.update(gs)
+                .where(gs.c.claim_id == claim_id, gs.c.status == GroupStatus.CLAIMED.value)
+                .values(
+                    status=GroupStatus.READY.value,
+                    claimed_by=None,
+                    lease_expires_at=None,
+                    updated_at=_now(),
+                )
+            )
+
+    def group_counts(self, run_id: str) -> dict[GroupStatus, int]:
+        """Train-split groups of ``run_id`` per status (every status present, 0 if none)."""
+        gs, g = T.group_states, T.groups
+        q = (
+            sa.select(gs.c.status, sa.func.count())
+            .select_from(gs.join(g, g.c.group_id == gs.c.group_id))
+            .where(gs.c.run_id == run_id, g.c.split == Split.TRAIN.value)
+            .group_by(gs.c.status)
+        )
+        with self.connect_readonly() as conn:
+            found = {GroupStatus(s): int(n) for s, n in conn.execute(q)}
+        return {s: found.get(s, 0) for s in GroupStatus}
+
+    def sft_episodes(
+        self, *, run_id: str | None, min_reward: float, limit: int | None = None
+    ) -> list[TrainEpisode]:
+        """Valid trainable episodes with ``reward >= min_reward``, oldest first."""
+        from store.claims import load_episodes
+
+        e = T.episodes
+        q = sa.select(e.c.episode_id).where(
+            e.c.valid, e.c.trainable, e.c.reward >= min_reward
+        ).order_by(e.c.started_at, e.c.episode_id)
+        if run_id is not None:
+            q = q.where(e.c.run_id == run_id)
+        if limit is not None:
+            q = q.limit(limit)
+        with self.connect_readonly() as conn:
+            ids = list(conn.execute(q).scalars())
+            by_id = {ep.episode_id: ep for ep in load_episodes(self, conn, episode_ids=ids)}
+        return [by_id[i] for i in ids]
+
+    def episode_ids(self, run_id: str) -> list[str]:
+        e = T.episodes
+        with self.connect_readonly() as conn:
+            q = sa.select(e.c.episode_id).where(e.c.run_id == run_id).order_by(e.c.episode_id)
+            return list(conn.execute(q).scalars())
+
+    def group_ids(self, run_id: str, status: GroupStatus | None = None) -> list[str]:
+        gs = T.group_states
+        q = sa.select(gs.c.group_id).where(gs.c.run_id == run_id).order_by(gs.c.group_id)
+        if status is not None:
+            q = q.where(gs.c.status == status.value)
+        with self.connect_readonly() as conn:
+            return list(conn.execute(q).scalars())
+
+    def stats(self) -> dict[str, Any]:
+        """Row counts per table, groups per status, schema version (and file size on DuckDB)."""
+        out: dict[str, Any] = {"url": self.url}
+        with self.connect_readonly() as conn:
+            out["schema_version"] = migrations.read_version(conn)
+            out["rows"] = {
+                t.name: int(conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one())
+                for t in schema.metadata.sorted_tables
+            }
+            gs = T.group_states
+            counts = conn.execute(sa.select(gs.c.status, sa.func.count()).group_by(gs.c.status))
+            out["groups_by_status"] = {s: int(n) for s, n in counts}
+        if self.is_duckdb:
+            out["file_bytes"] = self.backend.path.stat().st_size
+        return out
+
+    def close(self) -> None:
+        self.backend.dispose()
+
+
+def new_claim_id() -> str:
+    return uuid.uuid4().hex
+
+
+def lease_deadline(lease_s: float) -> datetime:
+    return _now() + timedelta(seconds=lease_s)
+
+
+def _policy_row(p: PolicyRecord) -> dict[str, Any]:
+    return {
+        "run_id": p.run_id,
+        "version": p.version,
+        "checkpoint_uri": p.checkpoint_uri,
+        "parent_version": p.parent_version,
+        "learner_step": p.learner_step,
+        "created_at": p.created_at,
+    }
+
+
+def _json_value(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+__all__ = ["Store", "TrainGroup"]

@@ -1,0 +1,183 @@
+"""``GroupWriter``: acknowledge a group once it is durable on local disk, commit in batches.
+
+``put(group)`` writes the group into the spool directory (temp file, fsync, rename, fsync of
+the directory) and returns: from then on the group survives a crash of this process. A
+background thread commits spooled groups in batches — every ``flush_interval_s`` or as soon
+as ``flush_max_episodes`` are waiting — each batch in one transaction (Arrow bulk insert,
+whole groups only), and deletes the spool files after the commit. A writer started on the
+same spool directory after a crash commits what it finds there; ingest is idempotent by
+``group_id``, so a group committed just before the crash (spool file not yet deleted) is
+stored once.
+
+The spool holds pickles written by this code for this code (local, private directory).
+One writer owns a spool directory at a time (a lock file inside it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import threading
+import time
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from sandpiper.errors import StoreError
+from store.records import GroupRecord
+
+log = logging.getLogger(__name__)
+
+RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+"""Waits between failed commits (the last repeats); the groups stay spooled meanwhile."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class GroupWriter:
+    """Durable, batched, idempotent group writer (see module docstring). A context manager."""
+
+    def __init__(
+        self, store, *, flush_interval_s: float, flush_max_episodes: int, spool_dir: str | None
+    ) -> None:
+        self.store = store
+        self.flush_interval_s = flush_interval_s
+        self.flush_max_episodes = flush_max_episodes
+        self.spool = Path(spool_dir or store.default_spool_dir())
+        self.spool.mkdir(parents=True, exist_ok=True)
+        self._owner = FileLock(str(self.spool / ".owner.lock"), thread_local=False)
+        try:
+            self._owner.acquire(timeout=0)
+        except Timeout:
+            raise StoreError(f"spool {self.spool} is in use by another writer") from None
+        self._cond = threading.Condition()
+        self._pending: dict[str, tuple[GroupRecord, Path]] = {}
+        self._pending_episodes = 0
+        self._flush_requested = False
+        self._closed = False
+        self.last_error: BaseException | None = None
+        self.committed_groups = 0
+        """Groups newly stored by this writer (re-sent duplicates are not counted)."""
+        for path in sorted(self.spool.glob("*.group")):
+            group = pickle.loads(path.read_bytes())
+            self._pending[group.group_id] = (group, path)
+            self._pending_episodes += len(group.episodes)
+        for tmp in self.spool.glob("*.tmp"):
+            tmp.unlink()  # never acknowledged: put() had not returned
+        self._thread = threading.Thread(target=self._run, name="store-writer", daemon=True)
+        self._thread.start()
+
+    # ---- caller side -------------------------------------------------------------------------
+
+    def put(self, group: GroupRecord) -> None:
+        """Spool ``group`` durably and return (acknowledged); it is committed later."""
+        if self._closed:
+            raise StoreError("put() on a closed GroupWriter")
+        name = hashlib.sha1(group.group_id.encode()).hexdigest()
+        path = self.spool / f"{name}.group"
+        with self._cond:
+            if group.group_id in self._pending:
+                return  # already acknowledged and waiting
+        tmp = self.spool / f"{name}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(group, f, protocol=pickle.HIGHEST_PROTOCOL)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+        _fsync_dir(self.spool)
+        with self._cond:
+            self._pending[group.group_id] = (group, path)
+            self._pending_episodes += len(group.episodes)
+            if self._pending_episodes >= self.flush_max_episodes:
+                self._cond.notify_all()
+
+    def pending(self) -> int:
+        """Groups acknowledged but not committed yet."""
+        with self._cond:
+            return len(self._pending)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Commit everything acknowledged so far; raise if the commit keeps failing."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            self._flush_requested = True
+            self._cond.notify_all()
+            while self._pending:
+                if self.last_error is not None and not self._thread.is_alive():
+                    raise StoreError(f"writer thread died: {self.last_error}")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise StoreError(
+                        f"{len(self._pending)} groups not committed after {timeout_s} s "
+                        f"(last error: {self.last_error}); they stay in {self.spool}"
+                    )
+                self._cond.wait(timeout=0.1 if left is None else min(left, 0.1))
+
+    def close(self) -> None:
+        """Flush, stop the thread and release the spool."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._thread.join()
+            self._owner.release()
+
+    def __enter__(self) -> GroupWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- background thread ------------------------------------------------------------------
+
+    def _take_batch(self) -> list[tuple[GroupRecord, Path]] | None:
+        """Wait until a batch is due; None when closed with nothing left."""
+        with self._cond:
+            due = time.monotonic() + self.flush_interval_s
+            while True:
+                if self._pending and (
+                    self._flush_requested
+                    or self._closed
+                    or self._pending_episodes >= self.flush_max_episodes
+                    or time.monotonic() >= due
+                ):
+                    self._flush_requested = False
+                    return list(self._pending.values())
+                if self._closed:
+                    return None
+                self._cond.wait(timeout=max(0.0, min(due - time.monotonic(), 0.5)))
+
+    def _run(self) -> None:
+        failures = 0
+        while (batch := self._take_batch()) is not None:
+            try:
+                self.committed_groups += self.store.write_groups([g for g, _ in batch])
+            except Exception as e:  # keep spooled; retry with backoff
+                self.last_error = e
+                log.warning("store commit failed (%s); retrying, groups stay spooled", e)
+                time.sleep(RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S) - 1)])
+                failures += 1
+                continue
+            failures = 0
+            self.last_error = None
+            for _, path in batch:
+                path.unlink(missing_ok=True)
+            _fsync_dir(self.spool)
+            with self._cond:
+                for g, _ in batch:
+                    if g.group_id in self._pending:
+                        self._pending_episodes -= len(g.episodes)
+                        del self._pending[g.group_id]
+                self._cond.notify_all()

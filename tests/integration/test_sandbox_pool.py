@@ -1,0 +1,151 @@
+"""The podman pool and runtime on a real host: warm acquire, labels, files, watchdog, janitor."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from collector.sandbox.base import ExecOutcome
+from collector.sandbox.janitor import gc, list_containers
+from collector.sandbox.podman import PodmanSandbox, collector_id
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def test_warm_acquire_labels_and_reuse(sandbox_pool):
+    async def go():
+        async with sandbox_pool(pool_size=2) as pool:
+            await pool.wait_warm()
+            started = time.monotonic()
+            box = await pool.acquire(episode_id="ep-1", task_id="task-1")
+            assert (time.monotonic() - started) * 1000 < 50
+            [info] = [c for c in await list_containers() if c.name == box.id]
+            assert info.labels["sandpiper.run"] == "pytest-sandbox"
+            assert info.labels["sandpiper.collector"] == collector_id()
+            ls = subprocess.run([sys.executable, "-m", "sandpiper.cli", "sandbox", "ls"],
+                                capture_output=True, text=True, check=True)  # fmt: skip
+            assert box.id in ls.stdout and "ep-1" in ls.stdout and "task-1" in ls.stdout
+            await box.exec("echo dirty > /workspace/x; export LEAK=1")
+            await pool.release(box)
+            await pool.wait_warm()
+            again = [await pool.acquire(episode_id=f"ep-{i}", task_id="t") for i in (2, 3)]
+            assert box.id in {b.id for b in again}
+            for b in again:
+                r = await b.exec("ls -A /workspace; echo ${LEAK-clean}")
+                assert r.stdout == "clean\n"
+
+    asyncio.run(go())
+
+
+def test_broken_sandbox_is_replaced(sandbox_pool):
+    async def go():
+        async with sandbox_pool(pool_size=1) as pool:
+            box = await pool.acquire(episode_id="e", task_id="t")
+            await pool.release(box, broken=True)
+            fresh = await pool.acquire(episode_id="e2", task_id="t")
+            assert fresh.id != box.id
+            names = {c.name for c in await list_containers()}
+            assert box.id not in names and fresh.id in names
+
+    asyncio.run(go())
+
+
+def test_files_round_trip_byte_exact(sandbox_pool, tmp_path: Path):
+    src = tmp_path / "src"
+    hostile = ["it's", "$(touch PWNED)", "new\nline", "..dots..", "sp ace", "ünï"]
+    for name in hostile:
+        (src / name).mkdir(parents=True)
+        (src / name / f"{name}.bin").write_bytes(os.urandom(1000) + name.encode())
+    big = os.urandom(8 * 1024 * 1024)
+
+    async def go():
+        async with (
+            sandbox_pool(pool_size=1) as pool,
+            pool.session(episode_id="e", task_id="t") as b,
+        ):
+            await b.write_file("/workspace/big.bin", big)
+            assert await b.read_file("/workspace/big.bin") == big
+            r = await b.exec("sha256sum /workspace/big.bin")
+            import hashlib
+
+            assert r.stdout.split()[0] == hashlib.sha256(big).hexdigest()
+            await b.copy_in(src, "/workspace/in")
+            await b.copy_out("/workspace/in", tmp_path / "out")
+            assert not (await b.exec("find / -name PWNED -not -path '/proc/*'")).stdout
+            with pytest.raises(FileNotFoundError):
+                await b.read_file("/workspace/missing")
+
+    asyncio.run(go())
+    for name in hostile:
+        assert (tmp_path / "out" / name / f"{name}.bin").read_bytes() == (
+            src / name / f"{name}.bin"
+        ).read_bytes()
+
+
+def test_watchdog_restarts_a_hung_shell(sandbox_pool, monkeypatch):
+    import collector.sandbox.podman as podman
+
+    monkeypatch.setattr(podman, "WATCHDOG_GRACE_S", 2.0)
+
+    async def go():
+        async with (
+            sandbox_pool(pool_size=1) as pool,
+            pool.session(episode_id="e", task_id="t") as b,
+        ):
+            # freeze the shell itself: only the host-side watchdog can get out of this
+            r = await b.exec("pkill -STOP -f supervisor.py; sleep 1", timeout_s=1)
+            assert r.outcome is ExecOutcome.TIMED_OUT
+            assert b.restarts == 1 and b.alive
+            assert (await b.exec("echo back")).stdout == "back\n"
+
+    asyncio.run(go())
+
+
+def test_removed_container_is_sandbox_died_and_replaced(sandbox_pool):
+    async def go():
+        async with sandbox_pool(pool_size=1) as pool:
+            box = await pool.acquire(episode_id="e", task_id="t")
+            subprocess.run(["podman", "rm", "-f", "-t", "0", box.id], check=True,
+                           capture_output=True)  # fmt: skip
+            r = await box.exec("echo hi")
+            assert r.outcome is ExecOutcome.SANDBOX_DIED and not box.alive
+            await pool.release(box)
+            fresh = await pool.acquire(episode_id="e2", task_id="t")
+            assert fresh.id != box.id and (await fresh.exec("echo ok")).ok
+
+    asyncio.run(go())
+
+
+def test_gc_removes_containers_of_dead_collectors(sandbox_config, sandbox_image):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan_label = {"sandpiper.collector": f"{os.uname().nodename}:{dead.pid}"}
+
+    async def go():
+        box = await PodmanSandbox.create(sandbox_config, labels=orphan_label, uid_base=None
+                                         if os.geteuid() else 1_000_000 + 65536 * 1000)  # fmt: skip
+        await box._kill_shell()
+        try:
+            assert box.id in await gc(dry_run=True)
+            assert box.id in await gc()
+            assert box.id not in {c.name for c in await list_containers()}
+        finally:
+            await box.close()
+
+    asyncio.run(go())
+
+
+def test_check_command_proves_every_limit(sandbox_image):
+    proc = subprocess.run([sys.executable, "-m", "sandpiper.cli", "sandbox", "check"],
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ["user_namespace", "network_none", "capabilities_dropped", "read_only_root",
+                 "workspace_size", "memory_limit", "pids_limit", "cpu_limit",
+                 "init_survives_kill_all"]:  # fmt: skip
+        assert f"ok   {name}" in proc.stdout, proc.stdout

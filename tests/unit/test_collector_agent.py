@@ -1,0 +1,219 @@
+"""The episode loop with a scripted policy and a fake sandbox: token-in/token-out, stops,
+malformed calls as observations, infra failures as invalid episodes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from collector.agent import EpisodeLimits, run_episode
+from collector.render import ChatRenderer
+from collector.tasks import Task
+from sandpiper.errors import InferenceError
+from store.records import Role, StopReason, ToolErrorKind
+from tests.fixtures.collector import (
+    FAKE_TOOL_SCHEMAS,
+    FakeSandbox,
+    FakeToolbox,
+    ScriptedPolicy,
+)
+
+BASH_LS = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "ls"}}\n</tool_call>'
+SUBMIT_42 = '<tool_call>\n{"name": "submit", "arguments": {"answer": "42"}}\n</tool_call>'
+MATH = Task("t1", "What is 6*7?", {"reward": "math", "answer": "42"}, "unit", "jsonl_math")
+
+
+def _run(tokenizer, replies, *, task=MATH, limits=EpisodeLimits(), sandbox=None, test_reward=None):
+    policy = ScriptedPolicy(tokenizer, replies, version=3)
+    sandbox = sandbox or FakeSandbox()
+    toolbox = FakeToolbox(sandbox, test_reward=test_reward)
+    renderer = ChatRenderer(tokenizer, FAKE_TOOL_SCHEMAS)
+    episode = asyncio.run(
+        run_episode(
+            episode_id="e1",
+            sample_index=0,
+            task=task,
+            client=policy,
+            renderer=renderer,
+            sandbox=sandbox,
+            toolbox=toolbox,
+            limits=limits,
+        )
+    )
+    return episode, policy, toolbox, renderer
+
+
+def test_submit_episode_is_token_in_token_out(tiny_tokenizer):
+    replies = [
+        "Look first.\n" + BASH_LS,
+        '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "ls"\n</tool_call>',
+        '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+        SUBMIT_42,
+    ]
+    episode, policy, toolbox, renderer = _run(tiny_tokenizer, replies)
+    assert episode.stop_reason is StopReason.SUBMITTED and episode.valid
+    assert episode.reward == 1.0 and episode.reward_breakdown["math"] == 1.0
+    roles = [t.role for t in episode.turns]
+    assert roles == [Role.USER] + [Role.ASSISTANT, Role.TOOL] * 3 + [Role.ASSISTANT]
+    # every request is exactly the concatenation of the stored segments before it
+    for k, prompt in enumerate(policy.prompts):
+        upto = 1 + 2 * k
+        stored = np.concatenate([t.token_ids_T for t in episode.turns[:upto]])
+        assert prompt == stored.tolist()
+    # the first prompt is the chat template rendered once, with the tool schemas
+    first = renderer.decode(policy.prompts[0])
+    assert "<tools>" in first and '"execute_bash"' in first and first.endswith("assistant\n")
+    # tool segments are not trainable, sampled segments carry logprobs and versions
+    for turn in episode.turns:
+        assert turn.trainable is (turn.role is Role.ASSISTANT)
+        if turn.trainable:
+            assert len(turn.logprobs_T) == len(turn.token_ids_T) == len(turn.policy_versions_T)
+            assert set(turn.policy_versions_T.tolist()) == {3}
+        else:
+            assert turn.logprobs_T is None and turn.policy_versions_T is None
+    assert episode.policy_version_range == (3, 3)
+    # the malformed and unknown calls became observations, not crashes
+    kinds = [t.tool_calls[0].error_kind for t in episode.turns if t.role is Role.ASSISTANT]
+    assert kinds == [
+        ToolErrorKind.NONE,
+        ToolErrorKind.BAD_JSON,
+        ToolErrorKind.UNKNOWN_TOOL,
+        ToolErrorKind.NONE,
+    ]
+    assert "malformed tool call" in episode.turns[4].text
+    assert toolbox.calls == [
+        ("execute_bash", {"command": "ls"}),
+        ("rm_rf", {}),
+        ("submit", {"answer": "42"}),
+    ]
+    assert "<tool_response>\nran: ls\n\n</tool_response>" in episode.turns[2].text
+
+
+def test_tool_delta_after_eos_matches_a_full_render(tiny_tokenizer):
+    """Appending sampled ids + delta gives the same text as rendering the conversation."""
+    _, policy, _, renderer = _run(tiny_tokenizer, [BASH_LS, SUBMIT_42])
+    text = renderer.decode(policy.prompts[1])
+    messages = [
+        {"role": "system", "content": EpisodeLimits().system_prompt},
+        {"role": "user", "content": MATH.instruction},
+        {"role": "assistant", "content": BASH_LS},
+        {"role": "tool", "name": "execute_bash", "content": "ran: ls\n"},
+    ]
+    assert text == renderer.render(messages, add_generation_prompt=True)
+
+
+def test_wrong_answer_scores_zero_but_is_valid(tiny_tokenizer):
+    wrong = SUBMIT_42.replace("42", "41")
+    episode, *_ = _run(tiny_tokenizer, [wrong])
+    assert episode.valid and episode.reward == 0.0
+
+
+def test_tests_reward_and_answer_file(tiny_tokenizer, tmp_path):
+    task = Task("t2", "fix it", {"reward": "tests"}, "unit", "folder")
+    episode, *_ = _run(
+        tiny_tokenizer,
+        ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'],
+        task=task,
+        test_reward=0.5,
+    )
+    assert episode.reward == 0.5 and episode.reward_breakdown["test_details"]["total"] == 1
+    sandbox = FakeSandbox()
+    sandbox.files["/workspace/answer.txt"] = b"42\n"
+    lis = Task(
+        "t3",
+        "q",
+        {"reward": "exact", "answer": "42", "answer_file": "/workspace/answer.txt"},
+        "u",
+        "llm_in_sandbox",
+    )
+    episode, *_ = _run(
+        tiny_tokenizer,
+        ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'],
+        task=lis,
+        sandbox=sandbox,
+    )
+    assert episode.reward == 1.0
+
+
+def test_no_tool_call_answer_is_scored(tiny_tokenizer):
+    episode, *_ = _run(tiny_tokenizer, ["The answer is $42$."])
+    assert episode.stop_reason is StopReason.NO_TOOL_CALL and episode.reward == 1.0
+
+
+def test_max_turns(tiny_tokenizer):
+    episode, policy, *_ = _run(tiny_tokenizer, [BASH_LS] * 5, limits=EpisodeLimits(max_turns=3))
+    assert episode.stop_reason is StopReason.MAX_TURNS and episode.valid
+    assert episode.reward == 0.0 and len(policy.prompts) == 3
+
+
+def test_max_episode_tokens_truncates(tiny_tokenizer):
+    limits = EpisodeLimits(max_episode_tokens=30)
+    episode, policy, *_ = _run(tiny_tokenizer, [BASH_LS] * 5, limits=limits)
+    assert episode.stop_reason is StopReason.MAX_TOKENS and episode.valid
+    assert episode.completion_tokens <= 30
+    assert all(p.max_tokens <= 30 for p in policy.params)
+
+
+def test_context_limit(tiny_tokenizer):
+    renderer = ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)
+    prompt_len = len(
+        renderer.prompt_ids(
+            [
+                {"role": "system", "content": EpisodeLimits().system_prompt},
+                {"role": "user", "content": MATH.instruction},
+            ]
+        )
+    )
+    limits = EpisodeLimits(context_limit=prompt_len + 40)
+    episode, policy, *_ = _run(tiny_tokenizer, [BASH_LS] * 5, limits=limits)
+    assert episode.stop_reason is StopReason.CONTEXT_EXCEEDED and episode.valid
+    assert all(len(p) < limits.context_limit for p in policy.prompts)
+    assert episode.total_tokens <= limits.context_limit + 40  # at most one tool delta over
+
+
+def test_sandbox_death_is_invalid_not_zero(tiny_tokenizer):
+    sandbox = FakeSandbox()
+
+    class Dying(FakeToolbox):
+        async def call(self, name, arguments):
+            sandbox.die()
+            return await super().call(name, arguments)
+
+    policy = ScriptedPolicy(tiny_tokenizer, [BASH_LS, SUBMIT_42])
+    episode = asyncio.run(
+        run_episode(
+            episode_id="e",
+            sample_index=1,
+            task=MATH,
+            client=policy,
+            renderer=ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS),
+            sandbox=sandbox,
+            toolbox=Dying(sandbox),
+            limits=EpisodeLimits(),
+        )
+    )
+    assert episode.stop_reason is StopReason.SANDBOX_DIED
+    assert not episode.valid and episode.reward is None and "sandbox" in episode.error
+    assert episode.turns[-1].role is Role.ASSISTANT  # the sampled turn is still stored
+
+
+def test_dead_sandbox_before_start_and_model_errors_are_invalid(tiny_tokenizer, tmp_path):
+    (tmp_path / "files").mkdir()
+    (tmp_path / "instruction.md").write_text("x")
+    task = Task("t4", "x", {"reward": "exact", "answer": "1"}, "u", "folder", data_dir=tmp_path)
+    dead = FakeSandbox()
+    dead.die()
+    episode, *_ = _run(tiny_tokenizer, [SUBMIT_42], task=task, sandbox=dead)
+    assert episode.stop_reason is StopReason.SANDBOX_DIED and episode.reward is None
+    episode, *_ = _run(tiny_tokenizer, [InferenceError("server down")])
+    assert episode.stop_reason is StopReason.MODEL_ERROR and not episode.valid
+    assert episode.reward is None and "server down" in episode.error
+
+
+@pytest.mark.parametrize("fmt", ["qwen3_coder"])
+def test_xml_tool_format(tiny_tokenizer, fmt):
+    xml = "<tool_call>\n<function=submit>\n<parameter=answer>\n42\n</parameter>\n</function>\n</tool_call>"
+    episode, _, toolbox, _ = _run(tiny_tokenizer, [xml], limits=EpisodeLimits(tool_format=fmt))
+    assert toolbox.calls == [("submit", {"answer": "42"})] and episode.reward == 1.0

@@ -1,0 +1,188 @@
+"""The daemon with fakes: group ids, backpressure, hot reload, drain, restart, validation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from collector.daemon import Collector
+from collector.journal import SeqJournal
+from collector.render import ChatRenderer
+from collector.tasks import Task
+from sandpiper.config import RunConfig
+from store.records import GroupStatus, PolicyRecord, Split
+from tests.fixtures.collector import (
+    FAKE_TOOL_SCHEMAS,
+    FakePool,
+    FakeStore,
+    FakeToolbox,
+    FakeWriter,
+    ReloadablePolicy,
+)
+
+SUBMIT = '<tool_call>\n{"name": "submit", "arguments": {"answer": "4"}}\n</tool_call>'
+TASKS = [
+    Task(f"t{i}", f"what is {i}?", {"reward": "math", "answer": "4"}, "unit", "jsonl_math")
+    for i in range(3)
+]
+
+
+def _config(**collector) -> RunConfig:
+    base = {"group_size": 2, "max_concurrent_episodes": 4, "policy_poll_s": 0.05}
+    base.update(status_interval_s=60.0, max_unconsumed_groups=1000)
+    base.update(collector)
+    return RunConfig.model_validate({"name": "run", "collector": base})
+
+
+def _collector(tokenizer, tmp_path, config, *, tasks=TASKS, store=None, delay_s=0.0):
+    store = store or FakeStore()
+    writer = FakeWriter(store)
+    policy = ReloadablePolicy(tokenizer, [SUBMIT], cycle=True, delay_s=delay_s)
+    collector = Collector(
+        config,
+        client=policy,
+        renderer=ChatRenderer(tokenizer, FAKE_TOOL_SCHEMAS),
+        store=store,
+        writer=writer,
+        pool=FakePool(),
+        toolbox_factory=lambda box, task: FakeToolbox(box),
+        tasks=list(tasks),
+        journal=SeqJournal(tmp_path / "journal.json"),
+    )
+    return collector, store, writer, policy
+
+
+async def _run(collector, *, stop_after_s: float | None = None):
+    stop = asyncio.Event()
+    if stop_after_s is not None:
+        asyncio.get_running_loop().call_later(stop_after_s, stop.set)
+    return await collector.run(stop)
+
+
+def test_groups_have_deterministic_ids_and_balanced_tasks(tiny_tokenizer, tmp_path):
+    collector, _, writer, _ = _collector(tiny_tokenizer, tmp_path, _config(max_groups=6))
+    metrics = asyncio.run(_run(collector))
+    ids = sorted(g.group_id for g in writer.groups)
+    assert ids == sorted(f"run/t{i}/{s}" for i in range(3) for s in range(2))
+    for group in writer.groups:
+        assert len(group.episodes) == 2 and group.split is Split.TRAIN
+        assert [e.sample_index for e in group.episodes] == [0, 1]
+        assert all(e.valid and e.reward == 1.0 for e in group.episodes)
+        assert group.run_id == "run" and group.sampling_params["temperature"] == 1.0
+    assert metrics.episodes_total == 12
+    assert SeqJournal(tmp_path / "journal.json").pending == {}
+
+
+def test_backpressure_stops_new_groups_until_the_learner_consumes(tiny_tokenizer, tmp_path):
+    config = _config(max_unconsumed_groups=None, max_lag=1)  # learner.groups_per_step = 8
+    collector, store, writer, _ = _collector(tiny_tokenizer, tmp_path, config)
+    assert collector.max_unconsumed == 16
+    store.counts[GroupStatus.READY] = 14  # the learner is behind
+
+    async def scenario():
+        stop = asyncio.Event()
+        run = asyncio.create_task(collector.run(stop))
+        await asyncio.sleep(0.5)
+        written_while_blocked = len(writer.groups)
+        store.counts[GroupStatus.READY] = 0  # the learner consumed everything
+        store.counts[GroupStatus.CONSUMED] = 16
+        await asyncio.sleep(0.3)
+        stop.set()
+        await run
+        return written_while_blocked
+
+    blocked = asyncio.run(scenario())
+    assert blocked == 2  # 14 ready + 2 new = 16 = (max_lag + 1) * groups_per_step
+    assert len(writer.groups) > 2
+
+
+def test_new_policy_is_hot_loaded_and_later_tokens_carry_it(tiny_tokenizer, tmp_path):
+    collector, store, writer, policy = _collector(tiny_tokenizer, tmp_path, _config(), delay_s=0.01)
+
+    async def scenario():
+        stop = asyncio.Event()
+        run = asyncio.create_task(collector.run(stop))
+        await asyncio.sleep(0.3)
+        store.policy = PolicyRecord("run", 1, "/ckpt/v1", 0, 1)
+        await asyncio.sleep(0.4)
+        stop.set()
+        await run
+
+    asyncio.run(scenario())
+    assert policy.reloads == [("/ckpt/v1", 1)]
+    versions = [e.policy_version_range for g in writer.groups for e in g.episodes]
+    assert (0, 0) in versions and (1, 1) in versions
+    assert collector.metrics.reloads == 1 and collector.metrics.policy_version == 1
+
+
+def test_drain_cancels_slow_groups_and_restart_reruns_them_with_the_same_ids(
+    tiny_tokenizer, tmp_path
+):
+    config = _config(drain_timeout_s=0.05)
+    collector, store, writer, _ = _collector(tiny_tokenizer, tmp_path, config, delay_s=0.3)
+    asyncio.run(_run(collector, stop_after_s=0.1))
+    assert writer.groups == []  # nothing finished
+    journal = SeqJournal(tmp_path / "journal.json")
+    abandoned = sorted(journal.pending)
+    assert abandoned and all(g.startswith("run/t") for g in abandoned)
+    # restart: the abandoned ids are produced first, nothing is skipped or duplicated
+    collector2, _, writer2, _ = _collector(
+        tiny_tokenizer, tmp_path, _config(max_groups=len(abandoned)), store=store
+    )
+    asyncio.run(_run(collector2))
+    assert sorted(g.group_id for g in writer2.groups) == abandoned
+
+
+def test_restart_after_crash_skips_groups_the_store_already_has(tiny_tokenizer, tmp_path):
+    journal = SeqJournal(tmp_path / "journal.json")
+    for _ in range(2):
+        journal.start("t0", lambda s: f"run/t0/{s}")
+    # simulate SIGKILL: both pending; the store committed run/t0/0 before the crash
+    store = FakeStore()
+    store.committed.append("run/t0/0")
+    collector, _, writer, _ = _collector(
+        tiny_tokenizer, tmp_path, _config(max_groups=1), tasks=TASKS[:1], store=store
+    )
+    asyncio.run(_run(collector))
+    assert [g.group_id for g in writer.groups] == ["run/t0/1"]
+    journal = SeqJournal(tmp_path / "journal.json")
+    assert journal.pending == {} and journal.next_seq == {"t0": 2}
+
+
+def test_validation_groups_are_stored_as_validation(tiny_tokenizer, tmp_path):
+    tasks = [
+        *TASKS[:2],
+        Task("v0", "val?", {"reward": "math", "answer": "4"}, "u", "m", Split.VALIDATION),
+    ]
+    config = _config(max_groups=2, validation_every_versions=1, validation_group_size=3)
+    collector, _, writer, _ = _collector(tiny_tokenizer, tmp_path, config, tasks=tasks)
+    metrics = asyncio.run(_run(collector))
+    validation = [g for g in writer.groups if g.split is Split.VALIDATION]
+    assert [g.group_id for g in validation] == ["run/v0/0"]
+    assert len(validation[0].episodes) == 3
+    assert all(g.task_id != "v0" for g in writer.groups if g.split is Split.TRAIN)
+    assert metrics.validation_reward_mean == 1.0 and metrics.validation_version == 0
+
+
+def test_token_budget_bounds_requests_in_flight(tiny_tokenizer, tmp_path):
+    config = _config(max_groups=3, max_tokens_in_flight=1)
+    collector, _, writer, policy = _collector(tiny_tokenizer, tmp_path, config, delay_s=0.01)
+    peak = 0
+    inner = policy.generate
+
+    async def counting(prompt, params):
+        nonlocal peak
+        peak = max(peak, collector.client.in_flight_tokens)
+        return await inner(prompt, params)
+
+    policy.generate = counting
+    asyncio.run(_run(collector))
+    assert len(writer.groups) == 3 and peak == 1
+
+
+def test_no_train_tasks_is_an_error(tiny_tokenizer, tmp_path):
+    val = [Task("v0", "q", {"reward": "math", "answer": "1"}, "u", "m", Split.VALIDATION)]
+    collector, *_ = _collector(tiny_tokenizer, tmp_path, _config(), tasks=val)
+    with pytest.raises(Exception, match="no train tasks"):
+        asyncio.run(_run(collector))

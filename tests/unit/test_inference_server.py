@@ -1,0 +1,157 @@
+"""VLLMServer supervision against a fake server process (no vLLM needed): start-up health
+wait, version set, stop by process group, restart after death with the weights restored."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from collector.inference.server import VLLMServer
+from sandpiper.config import InferenceConfig
+from sandpiper.errors import InferenceError
+from tests.fixtures.vllm import free_port
+
+FAKE_SERVER = r"""
+import http.server, json, subprocess, sys
+port, calls_path, child_pid_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+child = subprocess.Popen(["sleep", "300"])  # stands in for vLLM's engine-core process
+open(child_pid_path, "w").write(str(child.pid))
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def _reply(self):
+        n = int(self.headers.get("content-length") or 0)
+        body = json.loads(self.rfile.read(n)) if n else None
+        with open(calls_path, "a") as f:
+            f.write(json.dumps([self.command, self.path, body]) + "\n")
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"{}")
+    do_GET = do_POST = _reply
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+class FakeVLLMServer(VLLMServer):
+    """Runs the fake instead of vLLM; ``workdir`` holds its call log and child pid."""
+
+    workdir: Path = Path()
+    crash: bool = False
+
+    def command(self) -> list[str]:
+        if self.crash:
+            return [sys.executable, "-c", "import sys; print('boom: bad flag'); sys.exit(3)"]
+        script = self.workdir / "fake_vllm.py"
+        script.write_text(FAKE_SERVER)
+        return [sys.executable, str(script), str(self.port), str(self.calls), str(self.child)]
+
+    @property
+    def calls(self) -> Path:
+        return self.workdir / "calls.jsonl"
+
+    @property
+    def child(self) -> Path:
+        return self.workdir / "child.pid"
+
+    def posted(self) -> list[tuple[str, object]]:
+        lines = self.calls.read_text().splitlines() if self.calls.exists() else []
+        return [(path, body) for method, path, body in map(json.loads, lines) if method == "POST"]
+
+
+def make_server(tmp_path: Path, **kwargs) -> FakeVLLMServer:
+    server = FakeVLLMServer(
+        model_dir=tmp_path / "model",
+        port=free_port(),
+        startup_timeout_s=30.0,
+        log_path=tmp_path / "server.log",
+        **kwargs,
+    )
+    server.workdir = tmp_path
+    return server
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a killed child of an exited parent may linger as a zombie until reaped by init
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_command_line_has_the_flags_the_collector_relies_on() -> None:
+    config = InferenceConfig(base_port=9000, max_model_len=1024, kv_cache_gib=2)
+    server = VLLMServer.from_config(config, "/models/tiny", index=2)
+    cmd = server.command()
+    assert server.url == "http://127.0.0.1:9002"
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    for flag, value in [
+        ("--model", "/models/tiny"),
+        ("--max-model-len", "1024"),
+        ("--dtype", "float32"),
+        ("--logprobs-mode", "raw_logprobs"),
+    ]:
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--enable-scale-out" in cmd and "--enforce-eager" in cmd
+
+
+def test_start_sets_version_and_stop_kills_the_process_group(tmp_path: Path) -> None:
+    with make_server(tmp_path, initial_version=3) as server:
+        assert server.is_alive() and server.healthy()
+        assert server.posted() == [("/update_weight_version", {"new_version": "3"})]
+        assert server.version == 3
+        child_pid = int(server.child.read_text())
+        assert pid_alive(child_pid)
+    assert not server.is_alive()
+    assert wait_until(lambda: not pid_alive(child_pid)), "engine child survived stop()"
+
+
+def test_dead_server_is_restarted_with_its_last_weights(tmp_path: Path) -> None:
+    server = make_server(tmp_path)
+    server.start()
+    try:
+        server.record_weights(tmp_path / "policy-v7", 7)
+        assert server.ensure_running() is False
+        os.killpg(server.pid, signal.SIGKILL)
+        assert wait_until(lambda: not server.is_alive())
+        assert server.ensure_running() is True
+        assert server.restarts == 1 and server.healthy()
+        assert server.posted()[-2:] == [
+            (
+                "/collective_rpc",
+                {
+                    "method": "reload_weights",
+                    "kwargs": {"weights_path": str(tmp_path / "policy-v7")},
+                },
+            ),
+            ("/update_weight_version", {"new_version": "7"}),
+        ]
+    finally:
+        server.stop()
+
+
+def test_server_that_dies_during_start_up_reports_its_log(tmp_path: Path) -> None:
+    server = make_server(tmp_path)
+    server.crash = True
+    with pytest.raises(InferenceError, match=r"exited with 3(.|\n)*boom: bad flag"):
+        server.start()
+    assert not server.is_alive()

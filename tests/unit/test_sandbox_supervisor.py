@@ -1,0 +1,116 @@
+"""The in-container shell (``_supervisor.py``) run locally: framing, capping, state, timeouts.
+
+It runs here as a plain subprocess (no container), so nothing in these tests may ask it to
+kill processes; it refuses ``kill -1`` outside a sandbox anyway (checked below).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from collector.sandbox.base import ExecOutcome
+from collector.sandbox.podman import SUPERVISOR_HOST_PATH, _exec_result
+
+
+class Shell:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(SUPERVISOR_HOST_PATH)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        assert json.loads(self.proc.stdout.readline())["ready"]
+
+    def call(self, req: dict, payload: bytes = b"") -> tuple[dict, bytes]:
+        req["len"] = len(payload)
+        self.proc.stdin.write(json.dumps(req).encode() + b"\n" + payload)
+        self.proc.stdin.flush()
+        header = json.loads(self.proc.stdout.readline())
+        return header, self.proc.stdout.read(header["len"])
+
+    def exec(self, command: str, timeout_s: float = 10, cap: int = 1000, **kw):
+        req = {"op": "exec", "command": command, "timeout_s": timeout_s, "cap": cap, **kw}
+        return _exec_result(*self.call(req))
+
+
+@pytest.fixture
+def shell():
+    s = Shell()
+    yield s
+    s.proc.stdin.close()
+    s.proc.wait(timeout=10)
+
+
+def test_exit_status_and_streams(shell):
+    r = shell.exec("echo out; echo err >&2; exit 7")
+    assert (r.stdout, r.stderr, r.exit_code, r.outcome) == ("out\n", "err\n", 7, ExecOutcome.OK)
+
+
+def test_cwd_and_environment_persist(shell, tmp_path):
+    shell.exec(f"cd {tmp_path}; export A=1; B=two; unset HOME")
+    r = shell.exec('pwd; echo "$A $B ${HOME-unset}"')
+    assert r.stdout == f"{tmp_path}\n1 two unset\n"
+
+
+def test_per_call_env_and_clean_env_do_not_persist(shell):
+    assert shell.exec("echo $X", env={"X": "1"}).stdout == "1\n"
+    assert shell.exec("echo ${X-none}").stdout == "none\n"
+    shell.exec("export Y=agent")
+    assert shell.exec("echo ${Y-none}", clean_env=True).stdout == "none\n"
+    assert shell.exec("echo $Y").stdout == "agent\n"
+
+
+def test_output_is_capped_with_head_tail_and_total(shell):
+    r = shell.exec("printf 'HEAD'; head -c 5000000 /dev/zero | tr '\\0' x; printf 'TAIL'", cap=100)
+    assert r.stdout_bytes_total == 5_000_008
+    assert r.stdout.startswith("HEAD") and r.stdout.endswith("TAIL")
+    assert "[... 4999908 bytes of output omitted ...]" in r.stdout
+
+
+def test_timeout_kills_the_process_group(shell, tmp_path):
+    marker = tmp_path / "survivor"
+    r = shell.exec(f"(sleep 2; touch {marker}) & sleep 30", timeout_s=0.5)
+    assert r.outcome is ExecOutcome.TIMED_OUT and r.exit_code is None
+    assert r.duration_ms < 5000
+    shell.exec("sleep 2.5")
+    assert not marker.exists()
+
+
+def test_background_process_does_not_block(shell):
+    r = shell.exec("sleep 5 & echo started", timeout_s=10)
+    assert r.stdout == "started\n" and r.duration_ms < 2000
+
+
+def test_syntax_error_is_a_normal_result(shell):
+    r = shell.exec("if then fi")
+    assert r.outcome is ExecOutcome.OK and r.exit_code == 2 and "syntax error" in r.stderr
+    assert shell.exec("echo still").stdout == "still\n"
+
+
+def test_binary_files_round_trip(shell, tmp_path):
+    data = bytes(range(256)) * 20_000  # 5 MB, every byte value
+    path = str(tmp_path / "sub" / "blob.bin")
+    assert shell.call({"op": "write", "path": path, "mode": 0o600}, data)[0] == {"len": 0}
+    _header, back = shell.call({"op": "read", "path": path})
+    assert back == data
+    assert shell.call({"op": "read", "path": str(tmp_path / "nope")})[0]["error"] == (
+        "FileNotFoundError"
+    )
+
+
+def test_untar_rejects_escapes(shell, tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("../escape")
+        tar.addfile(info, io.BytesIO(b""))
+    header, _ = shell.call({"op": "untar", "dest": str(tmp_path / "d")}, buf.getvalue())
+    assert header["error"] == "ValueError" and not (tmp_path / "escape").exists()
+
+
+def test_refuses_kill_all_outside_a_sandbox(shell):
+    header, _ = shell.call({"op": "kill_all"})
+    assert header["error"] == "RuntimeError"
+    assert shell.exec("echo alive").stdout == "alive\n"

@@ -1,0 +1,83 @@
+"""(c) Packed and unpacked logprobs agree; micro-batch planning and loss normalisers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.packing import TrainSequence, pack, packed_logprobs, plan_micro_batches, token_scales
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _seq(rng: np.random.Generator, n: int, adv: float = 1.0) -> TrainSequence:
+    mask = np.zeros(n, bool)
+    mask[n // 2 :] = True
+    return TrainSequence(
+        f"e{n}", rng.integers(0, 96, n).astype(np.int32), mask,
+        np.where(mask, -1.0, np.nan).astype(np.float32), adv,
+    )  # fmt: skip
+
+
+def test_packed_logprobs_match_one_sequence_at_a_time(model) -> None:
+    rng = np.random.default_rng(0)
+    seqs = [_seq(rng, n) for n in (17, 5, 40, 9)]
+    with torch.no_grad():
+        packed = packed_logprobs(model, pack(seqs, [1.0] * len(seqs)))
+        alone = torch.cat([packed_logprobs(model, pack([s], [1.0])) for s in seqs])
+        # Reference without packing machinery: a plain forward of each sequence.
+        ids = torch.from_numpy(seqs[2].token_ids_T.astype(np.int64))[None]
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+        plain = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+    assert torch.allclose(packed, alone, atol=1e-5), (packed - alone).abs().max()
+    start = 17 + 5
+    assert torch.allclose(packed[start + 1 : start + 40], plain, atol=1e-5)
+    # Without restarting positions the packed result would differ (the test can fail).
+    micro = pack(seqs, [1.0] * len(seqs))
+    wrong = model(input_ids=micro.input_ids, use_cache=False).logits[0, start : start + 39]
+    wrong = torch.log_softmax(wrong, -1).gather(1, micro.input_ids[0, start + 1 :][:39, None])
+    assert not torch.allclose(wrong[:, 0], plain, atol=1e-3)
+
+
+def test_pack_masks_sequence_starts_and_broadcasts_per_sequence_values() -> None:
+    rng = np.random.default_rng(1)
+    a, b = _seq(rng, 4, adv=0.5), _seq(rng, 3, adv=-2.0)
+    b.loss_mask_T[0] = True  # a first token can never be predicted: pack must drop it
+    micro = pack([a, b], [0.1, 0.2])
+    assert micro.position_ids[0].tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert micro.loss_mask_T.tolist() == [False, False, True, True, False, True, True]
+    assert micro.advantages_T.tolist() == [0.5] * 4 + [-2.0] * 3
+    assert torch.isfinite(micro.logp_behav_T).all()
+    assert micro.token_scale_T.tolist() == pytest.approx([0.1] * 4 + [0.2] * 3)
+
+
+def test_plan_micro_batches_respects_budget_and_keeps_every_sequence() -> None:
+    lengths = [700, 300, 500, 100, 1200, 50]
+    bins = plan_micro_batches(lengths, 1000)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    for b in bins:
+        assert len(b) == 1 or sum(lengths[i] for i in b) <= 1000
+    assert len(bins) == 3  # 1200 | 700+300 | 500+100+50
+
+
+def test_token_scales_sum_to_the_right_mean() -> None:
+    rng = np.random.default_rng(2)
+    seqs = [_seq(rng, n) for n in (10, 20)]  # 5 and 10 loss tokens
+    tok = token_scales(seqs, mode="token_mean", total_loss_tokens=15, total_seqs=2, constant=1)
+    assert sum(c * s.loss_tokens for c, s in zip(tok, seqs, strict=True)) == pytest.approx(1.0)
+    seq = token_scales(seqs, mode="sequence_mean", total_loss_tokens=15, total_seqs=2, constant=1)
+    assert [c * s.loss_tokens for c, s in zip(seq, seqs, strict=True)] == pytest.approx([0.5] * 2)
+    const = token_scales(seqs, mode="constant", total_loss_tokens=15, total_seqs=2, constant=64)
+    assert const == pytest.approx([1 / 128] * 2)

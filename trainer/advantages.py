@@ -1,0 +1,92 @@
+"""GRPO group advantages.
+
+Each group holds G samples of the same prompt. An episode's advantage is its reward relative
+to the other *valid* episodes of its group: ``(r - mean) / (std + eps)`` (``"std"``) or
+``r - mean`` (``"mean"``, Dr. GRPO). Invalid episodes (infrastructure failures) carry no
+reward signal: they are excluded from the statistics and get no advantage (never scored 0).
+A group whose valid rewards are all equal has zero advantage everywhere; it is counted and
+skipped so it costs no forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from store.records import TrainGroup
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAdvantages:
+    """Advantages of one group; ``None`` for each invalid (excluded) episode."""
+
+    group_id: str
+    advantages_G: tuple[float | None, ...]
+    """One entry per episode of the group, in the group's order."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdvantageStats:
+    """What happened to a batch of groups; all of it goes to the step metrics."""
+
+    kept: tuple[GroupAdvantages, ...]
+    """Groups with a non-zero reward spread, ready to train on."""
+    zero_variance_groups: int
+    """Groups skipped because every valid reward was equal."""
+    too_few_valid_groups: int
+    """Groups skipped because fewer than two episodes were valid."""
+    invalid_episodes: int
+    rewards: np.ndarray
+    """float64 rewards of all valid episodes of the batch (for reward stats)."""
+
+
+def group_advantages(
+    rewards_G: Sequence[float | None],
+    valid_G: Sequence[bool],
+    *,
+    mode: Literal["std", "mean"] = "std",
+    eps: float = 1e-6,
+) -> np.ndarray | None:
+    """Advantages of one group as float64 with NaN for invalid episodes.
+
+    Returns None when fewer than two episodes are valid or when all valid rewards are equal.
+    """
+    valid = np.array(valid_G, dtype=bool) & np.array([r is not None for r in rewards_G])
+    if valid.sum() < 2:
+        return None
+    rewards = np.array([r if ok else np.nan for r, ok in zip(rewards_G, valid, strict=True)])
+    centred = rewards - np.nanmean(rewards)
+    spread = float(np.nanstd(rewards))  # population std, as in the GRPO paper's code
+    if spread == 0.0:
+        return None
+    return centred / (spread + eps) if mode == "std" else centred
+
+
+def batch_advantages(
+    groups: Sequence[TrainGroup], *, mode: Literal["std", "mean"], eps: float
+) -> AdvantageStats:
+    """Compute advantages for every group of a batch and count what was skipped."""
+    kept: list[GroupAdvantages] = []
+    zero_variance = too_few = invalid = 0
+    all_rewards: list[float] = []
+    for group in groups:
+        rewards = [e.reward for e in group.episodes]
+        valid = [e.valid and e.reward is not None for e in group.episodes]
+        invalid += valid.count(False)
+        all_rewards.extend(r for r, ok in zip(rewards, valid, strict=True) if ok)
+        adv = group_advantages(rewards, valid, mode=mode, eps=eps)
+        if adv is None:
+            if sum(valid) < 2:
+                too_few += 1
+            else:
+                zero_variance += 1
+            continue
+        kept.append(
+            GroupAdvantages(group.group_id, tuple(None if np.isnan(a) else float(a) for a in adv))
+        )
+    return AdvantageStats(
+        tuple(kept), zero_variance, too_few, invalid, np.asarray(all_rewards, dtype=np.float64)
+    )

@@ -1,0 +1,114 @@
+"""DeepSpeed engine: one code path for CPU (gloo) and GPU (NCCL), ZeRO 0-3 from a JSON file.
+
+Launch with ``deepspeed --num_gpus N -m ...``, with ``torchrun``, or as plain ``python``: in
+the last case :func:`init_distributed` fills in a single-process world (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which DeepSpeed otherwise looks up through mpi4py.
+The optimiser is torch's AdamW, so nothing is JIT-compiled (DeepSpeed's fused/CPU Adam ops
+take minutes to build on CPU).
+
+The learner controls gradient accumulation itself (a variable number of packed micro-batches
+per optimiser step): the JSON's batch-size fields are overwritten with a micro-batch of 1
+and no accumulation, and the learner marks the accumulation boundary explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed() -> World:
+    """Join (or create) the process group; must run before DeepSpeed is imported elsewhere."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:  # plain `python`: a world of one
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
+        )  # fmt: skip
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    return World(rank, int(os.environ["WORLD_SIZE"]), device)
+
+
+def load_ds_config(path: str | Path, *, world_size: int, max_grad_norm: float) -> dict[str, Any]:
+    """Read a DeepSpeed JSON and pin the fields the learner owns."""
+    config = json.loads(Path(path).read_text())
+    config.pop("optimizer", None)  # the learner passes torch AdamW
+    config.pop("scheduler", None)
+    config.update(
+        train_micro_batch_size_per_gpu=1,
+        gradient_accumulation_steps=1,
+        train_batch_size=world_size,
+        gradient_clipping=max_grad_norm,
+        zero_allow_untested_optimizer=True,
+        zero_force_ds_cpu_optimizer=False,
+    )
+    return config
+
+
+def build_engine(
+    model: torch.nn.Module,
+    *,
+    ds_config_path: str | Path,
+    world: World,
+    lr: float,
+    weight_decay: float,
+    max_grad_norm: float,
+) -> Any:
+    """Wrap ``model`` in a DeepSpeed engine with torch AdamW."""
+    import deepspeed
+
+    config = load_ds_config(
+        ds_config_path, world_size=world.world_size, max_grad_norm=max_grad_norm
+    )
+    model.to(world.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
+    """Consolidated fp32 weights on rank 0 (None on other ranks); gathers ZeRO-3 shards."""
+    import deepspeed
+    import torch.distributed as dist
+
+    module = engine.module
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    else:
+        state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    return state if rank == 0 else None

@@ -1,0 +1,82 @@
+"""Learner process entry point: ``python -m trainer --config run.toml [--algo sft] [overrides]``.
+
+``sandpiper learn`` calls :func:`run_learner` in-process for one process, or starts
+``deepspeed --num_gpus N --no_local_rank --module trainer ...`` for several (the DeepSpeed
+launcher sets RANK / WORLD_SIZE / ... for each process; ``torchrun -m trainer`` works too).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from sandpiper.config import RunConfig, load_config, write_resolved
+
+
+def run_learner(cfg: RunConfig) -> int:
+    """Run GRPO (until ``max_steps`` / ``max_idle_s``) or one SFT pass; returns steps done."""
+    from trainer.engine import init_distributed
+
+    world = init_distributed()  # before anything imports deepspeed with the wrong accelerator
+
+    from store import Store
+    from store.records import RunRecord
+    from trainer.learner import Learner
+    from trainer.sft import run_sft
+    from trainer.tracking import Tracker
+
+    store = None
+    if world.is_main:
+        write_resolved(cfg)
+        store = Store(cfg.store.url, lock_timeout_s=cfg.store.lock_timeout_s)
+        store.init()
+        store.ensure_run(
+            RunRecord(cfg.name, json.dumps(cfg.model_dump(mode="json")), _code_version())
+        )
+    learner = Learner(cfg, store, world)
+    tracker = Tracker(
+        cfg.tracking,
+        runs_dir=cfg.runs_dir,
+        run_name=f"{cfg.name}-{cfg.learner.algo}",
+        params=cfg.model_dump(mode="json"),
+        active=world.is_main,
+    )
+    status = "FAILED"
+    try:
+        if cfg.learner.algo == "sft":
+            learner.tracker = tracker
+            run_sft(learner)
+            steps = 1
+        else:
+            steps = learner.run(tracker)
+        status = "FINISHED"
+        return steps
+    finally:
+        tracker.close(status)
+
+
+def _code_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"sandpiper {version('sandpiper')}"
+    except PackageNotFoundError:
+        return "sandpiper (unknown)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    config: Path | None = None
+    if "--config" in args:
+        i = args.index("--config")
+        config = Path(args[i + 1])
+        del args[i : i + 2]
+    if "--algo" in args:
+        i = args.index("--algo")
+        args[i] = "--learner.algo"
+    run_learner(load_config(config, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Sequence packing: many episodes in one row, never padded to the batch maximum.
+
+Sequences are concatenated into one row per micro-batch; ``position_ids`` restart at 0 for
+every sequence, which is what tells transformers' attention (sdpa / flash) where the
+boundaries are. The forward pass uses ``attention_mask=None`` and ``use_cache=False``:
+with a cache the packed logits are silently wrong (see PLATFORM.md).
+
+Every per-token array here is aligned with the *token* it describes: ``logp_T[i]`` is the
+log-probability of ``input_ids[i]`` given the tokens before it in its own sequence. The
+first token of a sequence has no such probability; it is never in the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSequence:
+    """One episode ready for the loss."""
+
+    episode_id: str
+    token_ids_T: np.ndarray
+    """int32 context + sampled tokens, exactly as stored."""
+    loss_mask_T: np.ndarray
+    """bool, True on sampled tokens (the first token is always False here)."""
+    behaviour_logprobs_T: np.ndarray
+    """float32 sampling logprobs; NaN where masked."""
+    advantage: float
+    """GRPO advantage of the episode (0.0 for SFT)."""
+    staleness: int = 0
+    """Policy versions between the oldest sampled token and the version being trained."""
+
+    @property
+    def loss_tokens(self) -> int:
+        return int(self.loss_mask_T.sum())
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """Packed tensors for one forward pass (a single row of N tokens)."""
+
+    input_ids: torch.Tensor
+    """(1, N) int64."""
+    position_ids: torch.Tensor
+    """(1, N) int64, restarting at 0 per sequence."""
+    seq_index_T: torch.Tensor
+    """(N,) int64 index of the owning sequence within this micro-batch."""
+    loss_mask_T: torch.Tensor
+    """(N,) bool."""
+    logp_behav_T: torch.Tensor
+    """(N,) float32, 0 where masked (NaN removed so masked arithmetic stays finite)."""
+    advantages_T: torch.Tensor
+    """(N,) float32, the sequence's advantage broadcast to its tokens."""
+    token_scale_T: torch.Tensor
+    """(N,) float32 loss normaliser per token (aggregation mode, see ``token_scales``)."""
+    num_seqs: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most ``max_tokens`` tokens.
+
+    First-fit decreasing: few, well-filled rows. A sequence longer than ``max_tokens`` gets a
+    row of its own (it is never split: its tokens attend to each other).
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return bins
+
+
+def token_scales(
+    seqs: Sequence[TrainSequence],
+    *,
+    mode: Literal["token_mean", "sequence_mean", "constant"],
+    total_loss_tokens: int,
+    total_seqs: int,
+    constant: float,
+) -> list[float]:
+    """Per-sequence factor each loss token is multiplied by, so that summing gives the mean.
+
+    ``total_*`` count the whole optimiser minibatch (all micro-batches, all ranks), so that
+    gradient accumulation over micro-batches gives exactly the full-batch loss.
+    """
+    if mode == "token_mean":
+        return [1.0 / max(total_loss_tokens, 1)] * len(seqs)
+    if mode == "sequence_mean":
+        return [1.0 / (max(s.loss_tokens, 1) * max(total_seqs, 1)) for s in seqs]
+    return [1.0 / (constant * max(total_seqs, 1))] * len(seqs)
+
+
+def pack(
+    seqs: Sequence[TrainSequence], scales: Sequence[float], device: torch.device | str = "cpu"
+) -> MicroBatch:
+    """Concatenate sequences into one row with per-sequence position ids."""
+    ids = np.concatenate([s.token_ids_T for s in seqs]).astype(np.int64)
+    positions = np.concatenate([np.arange(len(s.token_ids_T)) for s in seqs])
+    seq_index = np.concatenate([np.full(len(s.token_ids_T), i) for i, s in enumerate(seqs)])
+    mask = np.concatenate([s.loss_mask_T for s in seqs]).astype(bool)
+    mask[positions == 0] = False  # nothing predicts a sequence's first token
+    behav = np.concatenate([s.behaviour_logprobs_T for s in seqs]).astype(np.float32)
+    behav = np.where(mask, np.nan_to_num(behav, nan=0.0), 0.0).astype(np.float32)
+    adv = np.concatenate([np.full(len(s.token_ids_T), s.advantage) for s in seqs])
+    scale = np.concatenate(
+        [np.full(len(s.token_ids_T), c) for s, c in zip(seqs, scales, strict=True)]
+    )
+
+    def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+    return MicroBatch(
+        input_ids=t(ids, torch.int64)[None],
+        position_ids=t(positions, torch.int64)[None],
+        seq_index_T=t(seq_index, torch.int64),
+        loss_mask_T=t(mask, torch.bool),
+        logp_behav_T=t(behav, torch.float32),
+        advantages_T=t(adv, torch.float32),
+        token_scale_T=t(scale, torch.float32),
+        num_seqs=len(seqs),
+    )
+
+
+def packed_logprobs(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
+    """(N,) float32 log-probability of every token given its own sequence's prefix.
+
+    Raw model logprobs (no temperature), matching what vLLM stores in ``raw_logprobs`` mode.
+    Entries at sequence starts are 0 and must be masked by the caller.
+    """
+    out = model(
+        input_ids=micro.input_ids,
+        position_ids=micro.position_ids,
+        attention_mask=None,
+        use_cache=False,
+    )
+    logits = out.logits[0, :-1].float()
+    next_logp = -F.cross_entropy(logits, micro.input_ids[0, 1:], reduction="none")
+    logp_T = torch.cat([next_logp.new_zeros(1), next_logp])
+    return torch.where(micro.position_ids[0] == 0, torch.zeros_like(logp_T), logp_T)
