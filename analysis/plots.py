@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 FIG_SIZE = (7.0, 3.6)
+ROLLING_EPISODES = 32
+"""Window of the rolling mean in the reward-over-time plot."""
 
 
 def _figure() -> tuple[Figure, Axes]:
@@ -48,15 +50,23 @@ def reward_by_version(df: pl.DataFrame) -> Figure:
     return fig
 
 
-def reward_over_time(df: pl.DataFrame) -> Figure:
+def reward_over_time(by_minute: pl.DataFrame, episodes: pl.DataFrame | None = None) -> Figure:
+    """Per-minute means (dots) and, given ``episodes``, a rolling mean over valid episodes
+    in start order (the per-minute means of a small run are mostly noise)."""
     fig, ax = _figure()
-    title = "Reward over time (per minute of episode start)"
-    if df.is_empty():
+    title = "Reward over time"
+    if by_minute.is_empty():
         _no_data(ax, title)
         return fig
-    ax.plot(df["minute"].to_list(), df["reward_mean"].to_list(), marker=".", label="reward")
-    ax.plot(df["minute"].to_list(), df["pass_rate"].to_list(), alpha=0.6, label="pass rate")
-    ax.set(title=title, xlabel="time (UTC)", ylabel="mean over valid episodes")
+    ax.plot(by_minute["minute"].to_list(), by_minute["reward_mean"].to_list(), ".", alpha=0.5,
+            label="per-minute mean")  # fmt: skip
+    if episodes is not None and episodes.height:
+        valid = episodes.filter(episodes["valid"]).sort("started_at")
+        window = max(1, min(ROLLING_EPISODES, valid.height))
+        rolling = valid["reward"].rolling_mean(window_size=window, min_samples=1)
+        ax.plot(valid["started_at"].to_list(), rolling.to_list(), lw=2,
+                label=f"rolling mean ({window} episodes)")  # fmt: skip
+    ax.set(title=title, xlabel="episode start (UTC)", ylabel="reward (valid episodes)")
     ax.legend(loc="best")
     fig.autofmt_xdate()
     return fig

@@ -39,6 +39,10 @@ goes to the read-only connection, which rejects what slips through (and bad SQL)
 _COMMENTS = re.compile(r"(--[^\n]*|/\*.*?\*/)", re.DOTALL)
 
 
+_VIEWS_LOCK_KEY = 0x5A4E_D71E
+"""PostgreSQL advisory-lock key held while (re)creating the analysis views."""
+
+
 class QueryError(StoreError, ValueError):
     """A query was refused (not read-only, several statements) or the database rejected it."""
 
@@ -62,12 +66,21 @@ def ensure_views(store: Store) -> bool:
     A cheap read-only check first; only when needed, one short write transaction (on
     DuckDB that takes the store lock once, like any writer). Returns True if it wrote.
     """
+    import sqlalchemy as sa
+
     from analysis.views import VIEWS_VERSION, create_views, views_version
 
     with store.connect_readonly() as conn:
         if views_version(conn) == VIEWS_VERSION:
             return False
     with store.backend.write() as conn:
+        if _dialect(conn) == "postgresql":
+            # Two readers of a fresh database must not run the DDL at the same time
+            # (PostgreSQL's concurrent CREATE OR REPLACE VIEW can fail); DuckDB's file lock
+            # already serialises writers.
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _VIEWS_LOCK_KEY})
+        if views_version(conn) == VIEWS_VERSION:
+            return False  # another reader created them while we waited
         create_views(conn, _dialect(conn))
     return True
 

@@ -66,6 +66,13 @@ def load_frames(store: Store | str, run_id: str | None) -> dict[str, pl.DataFram
     return frames
 
 
+def _safe_url(url: str) -> str:
+    """The store URL without its password (the page may be shared)."""
+    import sqlalchemy as sa
+
+    return sa.make_url(url).render_as_string(hide_password=True)
+
+
 def _pick_run(runs: list[str], run_id: str | None) -> str | None:
     """The run to report on: the one asked for, or the only one (plots never mix runs)."""
     if run_id is not None:
@@ -156,7 +163,7 @@ def _sections(f: dict[str, pl.DataFrame]) -> list[tuple[_Section, Any]]:
                   table=_html_table(f["reward_by_version"], [
                       "policy_version", "n_episodes", "n_invalid", "reward_mean", "pass_rate"])),
          plots.reward_by_version(f["reward_by_version"])),
-        (_Section("reward_over_time", "Reward over time"), plots.reward_over_time(f["reward_by_time"])),
+        (_Section("reward_over_time", "Reward over time"), plots.reward_over_time(f["reward_by_time"], f["episode_summary"])),
         (_Section("pass_rate_by_task", "Pass rate per task"),
          plots.pass_rate_by_task(tasks)),
         (_Section("top_failing_tasks", f"Top {TOP_FAILING} failing tasks",
@@ -210,7 +217,7 @@ def build_report(
     )
     html = env.get_template(TEMPLATE).render(
         run_label=run_label or "(no episodes yet)",
-        store_url=store.url,
+        store_url=_safe_url(store.url),
         generated_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         cards=_cards(frames),
         sections=sections,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -112,8 +113,9 @@ def synthetic_run(
     than ``max_lag`` versions old; with fewer groups per step than per version a backlog
     builds up, so consumed groups have staleness 0 and 1 and some are dropped as stale.
     """
-    rng = random.Random(seed)
-    np_rng = np.random.default_rng(seed)
+    # Seeded by run id too: two runs in one store never share episode ids.
+    rng = random.Random(f"{run_id}:{seed}")
+    np_rng = np.random.default_rng([seed, zlib.crc32(run_id.encode())])
     tasks = [
         TaskRecord(
             task_id=task_id,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 DATA_DIR = Path(__file__).parent / "data"
 CORPUS_PATH = DATA_DIR / "corpus.txt"
@@ -49,7 +50,7 @@ QWEN2_PRETOKENIZE_REGEX = (
 )
 """Qwen2's pre-tokenizer split (single digits, words with one leading non-letter, ...)."""
 
-MODEL_SHAPE = {
+MODEL_SHAPE: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 384,
     "num_hidden_layers": 4,
@@ -132,7 +133,7 @@ def init_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
         **MODEL_SHAPE,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = Qwen2ForCausalLM(config).float()  # float32 whatever the torch default dtype
     model.generation_config = GenerationConfig(
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
     )

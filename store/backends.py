@@ -70,10 +70,10 @@ class DuckDBBackend:
         raw = conn.connection.dbapi_connection
         raw.register("_in_groups_ids", tables["groups"].select(["group_id"]))
         try:
-            new = raw.execute(
+            new = raw.sql(
                 "SELECT group_id FROM _in_groups_ids WHERE group_id NOT IN "
                 "(SELECT group_id FROM groups)"
-            ).fetch_arrow_table()["group_id"]
+            ).to_arrow_table()["group_id"]
         finally:
             raw.unregister("_in_groups_ids")
         if len(new) == 0:
@@ -95,7 +95,7 @@ class DuckDBBackend:
 
     def fetch_arrow(self, conn: sa.Connection, sql: str, params: list | None = None) -> pa.Table:
         raw = conn.connection.dbapi_connection
-        return raw.execute(sql, params or []).fetch_arrow_table()
+        return raw.sql(sql, params=params or None).to_arrow_table()
 
     def dispose(self) -> None:
         self._rw.dispose()

@@ -17,13 +17,17 @@ import torch
 
 
 def untie_output_layer(model: Any) -> None:
-    """Give the output layer its own copy of the embedding matrix (idempotent)."""
+    """Give the output layer its own copy of the embedding matrix (before training starts)."""
     out, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if out is not None and out.weight.data_ptr() == emb.weight.data_ptr():
+    if out is not None and out.weight is emb.weight:
         out.weight = torch.nn.Parameter(emb.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    text_config = model.config.get_text_config()
-    if text_config is not model.config:
+    _mark_untied(model.config)
+
+
+def _mark_untied(config: Any) -> None:
+    config.tie_word_embeddings = False
+    text_config = config.get_text_config()
+    if text_config is not config:
         text_config.tie_word_embeddings = False
 
 
@@ -60,9 +64,12 @@ def save_checkpoint(
     """
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in out.parent.glob(f".{out.name}.*"):  # from a learner killed mid-write
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    untie_output_layer(model)
+    # The live model was untied at load; under ZeRO-3 its parameters are empty shards, so
+    # only the config is touched here (never the parameters).
+    _mark_untied(model.config)
     model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

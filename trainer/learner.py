@@ -17,7 +17,6 @@ Only rank 0 talks to the store and to MLflow; batches are broadcast to the other
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections import Counter
@@ -74,7 +73,9 @@ class Learner:
     def __init__(self, cfg: RunConfig, store: LearnerStore | None, world: World) -> None:
         self.cfg, self.lc, self.store, self.world = cfg, cfg.learner, store, world
         self.run_id = cfg.name
-        self.learner_id = f"{socket.gethostname()}-{os.getpid()}"
+        # Stable across restarts: the store hands a restarted learner back its own claim
+        # at once instead of after the lease (one GRPO learner per run and host).
+        self.learner_id = f"{socket.gethostname()}/{self.run_id}"
         self.loss_cfg = LossConfig(
             eps_low=self.lc.eps_low, eps_high=self.lc.eps_high, is_level=self.lc.is_level,
             is_mode=self.lc.is_mode, is_cap=self.lc.is_cap, is_lo=self.lc.is_lo,

@@ -79,10 +79,16 @@ class VLLMServer:
     def from_config(
         cls, config: InferenceConfig, model_dir: str | Path, index: int = 0, **kwargs
     ) -> VLLMServer:
-        """The ``index``-th local server described by ``config`` (port ``base_port + index``)."""
+        """The ``index``-th local server described by ``config`` (port ``base_port + index``).
+
+        Its log goes to ``config.log_dir`` (when set) unless ``log_path`` is passed."""
+        port = config.base_port + index
+        if config.log_dir is not None:
+            kwargs.setdefault("log_path", Path(config.log_dir) / f"vllm-{port}.log")
+        kwargs.setdefault("extra_args", tuple(config.server_args))
         return cls(
             model_dir=Path(model_dir),
-            port=config.base_port + index,
+            port=port,
             max_model_len=config.max_model_len,
             kv_cache_gib=config.kv_cache_gib,
             dtype=config.dtype,

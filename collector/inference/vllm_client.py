@@ -9,7 +9,8 @@ with ``InferenceConfig.logprobs_mode`` (default ``raw_logprobs``) and the learne
 the same kind.
 
 Routing: each request goes to the server with the fewest outstanding requests (ties go to
-the server that was picked least recently).
+the server that was picked least recently); a server that just failed gets no new requests
+for ``down_cooldown_s`` unless no other server is left.
 
 Retries: a request that times out, cannot connect or gets a 5xx is retried (tenacity,
 exponential back-off) on another server when there is one. The caller receives exactly one
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +47,7 @@ from tenacity import (
 )
 
 from collector.inference.base import Generation, SamplingParams
+from sandpiper.config import InferenceConfig
 from sandpiper.errors import InferenceError
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,7 @@ class VLLMPolicyClient:
         max_retries: int = 3,
         initial_version: int = 0,
         retry_wait_s: float = 0.5,
+        down_cooldown_s: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not urls:
@@ -85,6 +89,9 @@ class VLLMPolicyClient:
         self.outstanding = dict.fromkeys(self.urls, 0)
         """Requests in flight per server (what routing balances)."""
         self._last_pick = dict.fromkeys(self.urls, -1)
+        self.down_cooldown_s = down_cooldown_s
+        self._down_until = dict.fromkeys(self.urls, 0.0)
+        """monotonic time until which a server that just failed gets no new requests"""
         self._picks = itertools.count()
         self._reload_lock = asyncio.Lock()
         # one pooled client for all servers; per-request timeouts come from request_timeout_s
@@ -93,6 +100,15 @@ class VLLMPolicyClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             transport=transport,
         )
+
+    @classmethod
+    def from_config(
+        cls, config: InferenceConfig, urls: Sequence[str], **kwargs
+    ) -> VLLMPolicyClient:
+        """A client with ``config``'s timeout and retry settings."""
+        kwargs.setdefault("request_timeout_s", config.request_timeout_s)
+        kwargs.setdefault("max_retries", config.max_retries)
+        return cls(urls, **kwargs)
 
     @property
     def policy_version(self) -> int:
@@ -135,8 +151,11 @@ class VLLMPolicyClient:
         raise AssertionError("unreachable: tenacity reraises the last error")
 
     def _pick(self, avoid: Sequence[str] = ()) -> str:
-        """Least outstanding requests first; prefer servers not yet tried for this request."""
-        candidates = [u for u in self.urls if u not in avoid] or self.urls
+        """Least outstanding requests first, among servers that are not cooling down after a
+        failure and not yet tried for this request (relaxed in that order when none is left)."""
+        now = time.monotonic()
+        fresh = [u for u in self.urls if u not in avoid]
+        candidates = [u for u in fresh if self._down_until[u] <= now] or fresh or self.urls
         url = min(candidates, key=lambda u: (self.outstanding[u], self._last_pick[u]))
         self._last_pick[url] = next(self._picks)
         return url
@@ -146,12 +165,15 @@ class VLLMPolicyClient:
         try:
             response = await self._http.post(url + GENERATE_PATH, json=body)
         except httpx.TimeoutException as e:
+            self._mark_down(url)
             raise _Retryable(f"{url}: request timed out after {self.request_timeout_s} s") from e
         except httpx.TransportError as e:
+            self._mark_down(url)
             raise _Retryable(f"{url}: {type(e).__name__}: {e}") from e
         finally:
             self.outstanding[url] -= 1
         if response.status_code >= 500:
+            self._mark_down(url)
             raise _Retryable(f"{url}: HTTP {response.status_code}: {response.text[:300]}")
         if response.status_code != 200:
             text = response.text[:500]
@@ -159,6 +181,10 @@ class VLLMPolicyClient:
                 raise ContextLengthExceeded(f"{url}: {text}")
             raise InferenceError(f"{url}: HTTP {response.status_code}: {text}")
         return response.json()
+
+    def _mark_down(self, url: str) -> None:
+        self._down_until[url] = time.monotonic() + self.down_cooldown_s
+        log.warning("%s failed; no new requests for %.0f s", url, self.down_cooldown_s)
 
     async def reload(self, checkpoint_dir: str | Path, version: int) -> None:
         """Load ``checkpoint_dir`` in place on every server and label new tokens ``version``."""
@@ -203,6 +229,18 @@ class VLLMPolicyClient:
         if response.status_code != 200:
             raise InferenceError(f"{url}{path}: HTTP {response.status_code}: {response.text[:300]}")
         return response.json() if response.content else {}
+
+    async def server_versions(self) -> dict[str, str]:
+        """The weight version string each server reports now (``/weight_info``)."""
+
+        async def one(url: str) -> str:
+            try:
+                response = await self._http.get(url + "/weight_info", timeout=10.0)
+                return str(response.json()["weight_version"])
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                raise InferenceError(f"{url}/weight_info: {e!r}") from e
+
+        return dict(zip(self.urls, await asyncio.gather(*map(one, self.urls)), strict=True))
 
     async def healthy(self) -> dict[str, bool]:
         """``/health`` of every server."""

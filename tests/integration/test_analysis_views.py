@@ -151,3 +151,18 @@ def test_backends_agree(analysis_duckdb_url: str, analysis_postgres_url: str) ->
                 assert [x for x, _ in pairs] == pytest.approx([y for _, y in pairs]), (view, col)
             else:
                 assert left == right, (view, col)
+
+
+def test_concurrent_first_readers_create_the_views_once(analysis_empty_postgres_url) -> None:
+    """Several readers of a store without views: all succeed, the DDL runs safely once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from analysis.views import VIEWS_VERSION
+
+    def read(_: int) -> int:
+        return api.episodes(analysis_empty_postgres_url).height
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert list(pool.map(read, range(8))) == [0] * 8
+    version = api.query(analysis_empty_postgres_url, "SELECT version FROM analysis_views_version")
+    assert version["version"].to_list() == [VIEWS_VERSION]

@@ -85,7 +85,9 @@ def test_one_process_trains_and_registers_versions(reference, learner_tiny_model
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_two_processes_match_one_process(tmp_path, learner_tiny_model, groups_pkl, reference, stage):
+def test_two_processes_match_one_process(
+    tmp_path, learner_tiny_model, groups_pkl, reference, stage
+):
     result = _run(tmp_path, learner_tiny_model, groups_pkl, nproc=2, stage=stage)
     assert result["world_size"] == 2 and result["version"] == 2
     assert result["consumed"] == reference["consumed"]

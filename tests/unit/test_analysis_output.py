@@ -123,3 +123,11 @@ def test_plots_of_an_empty_run_say_no_data(name: str) -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     assert buffer.getvalue().startswith(b"\x89PNG")
+
+
+def test_report_never_shows_the_store_password() -> None:
+    from analysis.report import _safe_url
+
+    shown = _safe_url("postgresql+psycopg://alice:s3cret@db.example/sandpiper")
+    assert "s3cret" not in shown and "alice@" not in shown.replace("alice:***@", "")
+    assert shown.startswith("postgresql+psycopg://alice:")

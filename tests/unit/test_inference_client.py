@@ -231,3 +231,35 @@ async def test_failed_reload_still_resumes_and_keeps_the_old_version() -> None:
             await client.reload("/ckpt/v5", 5)
         assert client.policy_version == 4
     assert [path for _, path, _ in calls] == ["/pause", "/collective_rpc", "/resume"]
+
+
+async def test_server_versions_and_config() -> None:
+    from sandpiper.config import InferenceConfig
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/weight_info"
+        return httpx.Response(200, json={"weight_version": request.url.host.upper()})
+
+    config = InferenceConfig(request_timeout_s=7.0, max_retries=5)
+    client = VLLMPolicyClient.from_config(
+        config, [A, B], transport=httpx.MockTransport(handler), initial_version=2
+    )
+    async with client:
+        assert (client.request_timeout_s, client.max_retries) == (7.0, 5)
+        assert client.policy_version == 2
+        assert await client.server_versions() == {A: "A", B: "B"}
+
+
+async def test_failed_server_cools_down_before_getting_new_requests() -> None:
+    hits: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        hits.append(request.url.host)
+        if request.url.host == "a":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json=generate_answer([3]))
+
+    async with make_client(handler, urls=(A, B), down_cooldown_s=60.0) as client:
+        for _ in range(4):
+            assert (await client.generate([1], PARAMS)).server == B
+    assert hits == ["a", "b", "b", "b", "b"]  # A was tried once, then left alone

@@ -155,3 +155,10 @@ def test_server_that_dies_during_start_up_reports_its_log(tmp_path: Path) -> Non
     with pytest.raises(InferenceError, match=r"exited with 3(.|\n)*boom: bad flag"):
         server.start()
     assert not server.is_alive()
+
+
+def test_from_config_uses_log_dir_and_server_args(tmp_path: Path) -> None:
+    config = InferenceConfig(log_dir=str(tmp_path), server_args=["--max-num-seqs", "8"])
+    server = VLLMServer.from_config(config, "/m", index=1)
+    assert server.log_path == tmp_path / f"vllm-{config.base_port + 1}.log"
+    assert server.command()[-2:] == ["--max-num-seqs", "8"]

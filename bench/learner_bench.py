@@ -1,0 +1,180 @@
+"""Learner throughput vs TRL's GRPOTrainer: one optimisation step on the same batch.
+
+Both sides train the same tiny model (``sandpiper.tiny_model``) on the same batch of
+precomputed completions (variable prompt and completion lengths, GRPO groups), generation
+excluded:
+
+- sandpiper: pack the batch + one DeepSpeed (ZeRO-0, CPU/gloo or GPU) optimisation step of
+  GRPO with importance correction (``trainer.optimise``), checkpointing excluded;
+- TRL 1.16: ``GRPOTrainer.training_step`` (its ``_compute_loss``: padded prompt + completion
+  batch) + optimiser step, with ``_prepare_inputs`` stubbed to return the precomputed batch.
+
+tokens/s counts real (non-padding) prompt + completion tokens. Steps alternate between the
+two and the median of ``--repeats`` is reported; the ratio is the result
+(``speedup_vs_trl``), absolute numbers on a shared CPU are noise.
+
+    .venv/bin/python bench/learner_bench.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def make_batch(rng: np.random.Generator, *, groups: int, group_size: int, vocab: int) -> list:
+    """GRPO groups of (prompt ids, completion ids, behaviour logprobs, advantage)."""
+    batch = []
+    for _ in range(groups):
+        prompt = rng.integers(10, vocab, rng.integers(16, 128)).astype(np.int32)
+        rewards = rng.random(group_size)
+        adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        for a in adv:
+            completion = rng.integers(10, vocab, rng.integers(8, 384)).astype(np.int32)
+            behav = (-rng.random(len(completion)) * 4).astype(np.float32)
+            batch.append((prompt, completion, behav, float(a)))
+    return batch
+
+
+def sandpiper_step(model_dir: Path, batch: list, lr: float):
+    from trainer.checkpoint import load_model
+    from trainer.engine import build_engine, init_distributed
+    from trainer.loss import LossConfig, grpo_loss
+    from trainer.optimise import build_minibatch, optimise
+    from trainer.packing import TrainSequence
+
+    world = init_distributed()
+    from sandpiper.config import LearnerConfig
+
+    lc = LearnerConfig(micro_batch_tokens=4096, lr=lr)
+    engine = build_engine(
+        load_model(model_dir), ds_config_path=Path(__file__).parent.parent / lc.deepspeed_config,
+        world=world, lr=lr, weight_decay=0.0, max_grad_norm=1.0,
+    )  # fmt: skip
+    loss_cfg = LossConfig()
+    seqs = []
+    for i, (prompt, completion, behav, adv) in enumerate(batch):
+        ids = np.concatenate([prompt, completion])
+        mask = np.r_[np.zeros(len(prompt), bool), np.ones(len(completion), bool)]
+        lp = np.r_[np.full(len(prompt), np.nan, np.float32), behav]
+        seqs.append(TrainSequence(str(i), ids, mask, lp, adv))
+
+    def loss_fn(logp_T, micro, prox_T):
+        return grpo_loss(
+            logp_T, prox_T, micro.logp_behav_T, micro.advantages_T, micro.loss_mask_T,
+            micro.token_scale_T, micro.seq_index_T, micro.num_seqs, loss_cfg,
+        )  # fmt: skip
+
+    def step() -> None:
+        minibatch = build_minibatch(seqs, learner_cfg=lc, world=world)
+        optimise(engine, [minibatch], loss_fn, epochs=1)
+
+    return step
+
+
+def trl_step(model_dir: Path, batch: list, lr: float, group_size: int, out_dir: str):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    n = len(batch)
+    args = GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=n, num_generations=group_size,
+        gradient_accumulation_steps=1, learning_rate=lr, beta=0.0, report_to=[],
+        use_cpu=not torch.cuda.is_available(), bf16=False, logging_steps=10**9,
+        max_completion_length=512, loss_type="grpo", save_strategy="no",
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": ["x"] * n})
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args, train_dataset=dataset, processing_class=tokenizer,
+    )  # fmt: skip
+    trainer.create_optimizer()
+    device = trainer.accelerator.device
+    p_len = max(len(b[0]) for b in batch)
+    c_len = max(len(b[1]) for b in batch)
+    prompt_ids = torch.zeros(n, p_len, dtype=torch.long)
+    prompt_mask = torch.zeros(n, p_len, dtype=torch.long)
+    completion_ids = torch.zeros(n, c_len, dtype=torch.long)
+    completion_mask = torch.zeros(n, c_len, dtype=torch.long)
+    for i, (prompt, completion, _, _) in enumerate(batch):  # TRL pads prompts on the left
+        prompt_ids[i, p_len - len(prompt) :] = torch.from_numpy(prompt)
+        prompt_mask[i, p_len - len(prompt) :] = 1
+        completion_ids[i, : len(completion)] = torch.from_numpy(completion)
+        completion_mask[i, : len(completion)] = 1
+    inputs = {
+        "prompt_ids": prompt_ids.to(device), "prompt_mask": prompt_mask.to(device),
+        "completion_ids": completion_ids.to(device),
+        "completion_mask": completion_mask.to(device),
+        "advantages": torch.tensor([b[3] for b in batch], device=device),
+        "num_items_in_batch": completion_mask.sum().to(device),
+    }  # fmt: skip
+    trainer._prepare_inputs = lambda _batch: inputs  # generation stubbed out (bench only)
+
+    def step() -> None:
+        trainer.model.train()
+        trainer.training_step(trainer.model, inputs, inputs["num_items_in_batch"])
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args()
+
+    from sandpiper.tiny_model import VOCAB_SIZE, init_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="learner-bench-") as tmp:
+        model_dir = init_tiny_model(Path(tmp) / "tiny", seed=0)
+        batch = make_batch(
+            np.random.default_rng(0), groups=args.groups, group_size=args.group_size,
+            vocab=VOCAB_SIZE,
+        )  # fmt: skip
+        tokens = sum(len(p) + len(c) for p, c, _, _ in batch)
+        ours = sandpiper_step(model_dir, batch, 1e-6)
+        theirs = trl_step(model_dir, batch, 1e-6, args.group_size, str(Path(tmp) / "trl"))
+        ours(), theirs()  # warm-up
+        t_ours, t_trl = [], []
+        for _ in range(args.repeats):
+            for fn, times in ((ours, t_ours), (theirs, t_trl)):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+    ours_s, trl_s = statistics.median(t_ours), statistics.median(t_trl)
+    result = {
+        "sequences": len(batch),
+        "tokens": tokens,
+        "padded_tokens_trl": len(batch) * (max(len(b[0]) for b in batch)
+                                           + max(len(b[1]) for b in batch)),
+        "sandpiper_step_s": round(ours_s, 4),
+        "trl_step_s": round(trl_s, 4),
+        "sandpiper_tokens_per_s": round(tokens / ours_s, 1),
+        "trl_tokens_per_s": round(tokens / trl_s, 1),
+        "speedup_vs_trl": round(trl_s / ours_s, 3),
+    }  # fmt: skip
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

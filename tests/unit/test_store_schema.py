@@ -1,0 +1,104 @@
+"""Schema drift: DDL, Arrow schemas and the writer's Arrow tables all come from schema.py."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import sqlalchemy as sa
+
+from sandpiper.errors import SchemaVersionError, StoreError
+from store import arrow_io, migrations, schema
+from store.records import GroupStatus
+from store.testing import expected_tokens, make_group
+
+ARROW_TO_DUCKDB = {
+    pa.string(): "VARCHAR",
+    pa.int32(): "INTEGER",
+    pa.int64(): "BIGINT",
+    pa.float64(): "DOUBLE",
+    pa.float32(): "FLOAT",
+    pa.bool_(): "BOOLEAN",
+    pa.timestamp("us", tz="UTC"): "TIMESTAMP WITH TIME ZONE",
+    pa.list_(pa.int32()): "INTEGER[]",
+    pa.list_(pa.float32()): "FLOAT[]",
+}
+
+
+def test_every_table_has_an_arrow_schema_with_the_same_columns():
+    for table in schema.metadata.sorted_tables:
+        arrow = schema.arrow_schema(table)
+        assert arrow.names == [c.name for c in table.c], table.name
+
+
+def test_duckdb_ddl_matches_arrow_schema(tmp_path):
+    """Create the tables in DuckDB and compare its column types with the derived Arrow types."""
+    engine = sa.create_engine(f"duckdb:///{tmp_path / 's.duckdb'}", poolclass=sa.pool.NullPool)
+    schema.metadata.create_all(engine)
+    with engine.connect() as conn:
+        for table in schema.metadata.sorted_tables:
+            described = conn.exec_driver_sql(f'DESCRIBE "{table.name}"').all()
+            arrow = schema.arrow_schema(table)
+            for (name, sql_type, *_), field in zip(described, arrow, strict=True):
+                assert name == field.name
+                json_col = isinstance(table.c[name].type, sa.JSON)
+                assert sql_type == ("JSON" if json_col else ARROW_TO_DUCKDB[field.type]), name
+    engine.dispose()
+
+
+def test_token_columns_are_arrays_not_json():
+    types = {c.name: c.type for c in schema.turns.c}
+    for name in ("token_ids", "logprobs", "policy_versions"):
+        assert isinstance(types[name], sa.ARRAY), name
+    assert isinstance(schema.episodes.c.reward.type, sa.Double)
+
+
+def test_writer_tables_match_derived_schemas():
+    tables = arrow_io.groups_to_arrow([make_group("g1"), make_group("g2")], datetime.now(UTC))
+    for table in schema.BULK_TABLES:
+        assert tables[table.name].schema == schema.arrow_schema(table), table.name
+    assert tables["episodes"].num_rows == 8
+    assert tables["turns"].num_rows == 24
+    assert tables["tool_calls"].num_rows == 8  # one per sampled turn
+
+
+def test_turn_arrays_roundtrip_through_arrow():
+    group = make_group("g1", n_turns=4, tokens_per_turn=7, policy_version=3)
+    turns = arrow_io.groups_to_arrow([group], datetime.now(UTC))["turns"]
+    meta = {e.episode_id: (e.reward, e.valid) for e in group.episodes}
+    episodes = arrow_io.train_episodes(turns.select(list(arrow_io.TRAIN_TURN_COLUMNS)), meta)
+    assert [e.episode_id for e in episodes] == [e.episode_id for e in group.episodes]
+    ep = episodes[1]
+    want = np.concatenate([expected_tokens("g1", 1, t, 7) for t in range(4)])
+    np.testing.assert_array_equal(ep.token_ids_T, want)
+    assert ep.token_ids_T.dtype == np.int32 and isinstance(ep.loss_mask_T, np.ndarray)
+    np.testing.assert_array_equal(ep.loss_mask_T, np.repeat([False, True, False, True], 7))
+    assert np.isnan(ep.behaviour_logprobs_T[~ep.loss_mask_T]).all()
+    assert np.isfinite(ep.behaviour_logprobs_T[ep.loss_mask_T]).all()
+    np.testing.assert_array_equal(ep.policy_versions_T, np.where(ep.loss_mask_T, 3, -1))
+
+
+def test_group_with_too_few_valid_episodes_is_invalid():
+    assert arrow_io.group_status(make_group("g", n_episodes=2, n_invalid=1)) == GroupStatus.INVALID
+    assert arrow_io.group_status(make_group("g", n_episodes=3, n_invalid=1)) == GroupStatus.READY
+
+
+def test_trainable_turn_without_logprobs_is_rejected():
+    group = make_group("g", n_turns=2)
+    bad_turn = group.episodes[0].turns[1]
+    object.__setattr__(bad_turn, "logprobs_T", None)
+    with pytest.raises(StoreError, match="without logprobs_T"):
+        arrow_io.groups_to_arrow([group], datetime.now(UTC))
+
+
+def test_schema_version_messages_say_what_to_run():
+    latest = migrations.latest_version()
+    migrations.check(latest, "duckdb:///x")
+    with pytest.raises(SchemaVersionError, match="store init"):
+        migrations.check(0, "duckdb:///x")
+    with pytest.raises(SchemaVersionError, match="upgrade sandpiper"):
+        migrations.check(latest + 1, "duckdb:///x")
+
+
