@@ -33,6 +33,7 @@ import asyncio
 import json
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,9 @@ class BusyClient:
         self._response_id = tokenizer.convert_tokens_to_ids("<tool_response>")
 
         def scripted(name: str, arguments: dict) -> list[int]:
-            text = f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+            text = (
+                f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+            )
             return [*tokenizer.encode(text, add_special_tokens=False), eos]
 
         self._bash = scripted("execute_bash", {"command": tool_command})
@@ -132,8 +135,14 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
     config = RunConfig.model_validate(
         {
             "name": f"bench-{in_flight}",
-            "sandbox": {"pool_size": in_flight, "memory_mb": 256, "workspace_size_mb": 64},
-            "inference": {"max_model_len": 2048},
+            # spare warm containers: a released sandbox is reset in the background, and an
+            # episode waiting for one is an episode not generating
+            "sandbox": {
+                "pool_size": in_flight + args.spare_sandboxes,
+                "memory_mb": 256,
+                "workspace_size_mb": 64,
+            },
+            "inference": {"max_model_len": args.max_model_len},
             "collector": {
                 "group_size": args.group_size,
                 "max_concurrent_episodes": in_flight,
@@ -186,6 +195,7 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
         "inference_busy_fraction": client.busy_s / wall_s,
         "tool_time_share": tool_ms / max(episode_ms, 1e-9),
         "requests": client.requests,
+        "stop_reasons": dict(Counter(str(e.stop_reason) for e in eps)),
     }
 
 
@@ -197,7 +207,7 @@ async def main(args: argparse.Namespace) -> dict:
         from sandpiper.tiny_model import init_tiny_model
 
         model_dir = init_tiny_model(Path(tempfile.mkdtemp()) / "tiny-model")
-        server = VLLMServer(model_dir=model_dir, port=args.port, max_model_len=2048)
+        server = VLLMServer(model_dir=model_dir, port=args.port, max_model_len=args.max_model_len)
         await asyncio.to_thread(server.start)
         url = server.url
     try:
@@ -224,10 +234,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tool-command", default="sleep 0.2; ls -la /workspace")
     p.add_argument("--in-flight", type=int, default=16)
     p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--spare-sandboxes", type=int, default=4, help="Pool size - in flight.")
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--baseline-episodes", type=int, default=8, help="0 skips the baseline.")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="Context of the server (the tiny tokenizer renders the tool prompt in ~1,800 tokens).",
+    )
     p.add_argument("--json", action="store_true", help="Print one JSON object as last line.")
     return p.parse_args()
 

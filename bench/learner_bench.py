@@ -122,6 +122,7 @@ def trl_step(model_dir: Path, batch: list, lr: float, group_size: int, out_dir: 
         "num_items_in_batch": completion_mask.sum().to(device),
     }  # fmt: skip
     trainer._prepare_inputs = lambda _batch: inputs  # generation stubbed out (bench only)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which we bypass
 
     def step() -> None:
         trainer.model.train()

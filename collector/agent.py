@@ -31,7 +31,7 @@ from collector.rewards import compute_reward
 from collector.sandbox.base import ExecOutcome, Sandbox
 from collector.tasks import Task
 from collector.tools.base import ToolResult
-from sandpiper.errors import SandboxError, SandpiperError
+from sandpiper.errors import SandboxError, SandpiperError, TaskError
 from store.records import (
     INFRA_STOPS,
     EpisodeRecord,
@@ -117,8 +117,10 @@ async def prepare_sandbox(sandbox: Sandbox, task: Task, *, timeout_s: float = 30
         result = await sandbox.exec(
             "bash /tmp/sandpiper_setup.sh", timeout_s=timeout_s, cwd="/workspace"
         )
-        if not result.ok:
-            raise SandboxError(
+        if result.outcome is ExecOutcome.SANDBOX_DIED:
+            raise SandboxError(f"the sandbox died running setup.sh of task {task.task_id}")
+        if not result.ok:  # a broken task, not the policy's fault: the episode is invalid
+            raise TaskError(
                 f"setup.sh of task {task.task_id} failed ({result.outcome}, exit "
                 f"{result.exit_code}): {result.stderr[-500:]}"
             )
@@ -169,7 +171,7 @@ async def _loop(
         if generation is None:
             return
         timing = (gen_at, (time.perf_counter() - gen_t0) * 1000)
-        text = renderer.decode(generation.token_ids_T)
+        text = renderer.decode(generation.token_ids_T.tolist())
         ended_with_eos = bool(
             len(generation.token_ids_T) and generation.token_ids_T[-1] in renderer.stop_token_ids
         )

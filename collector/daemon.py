@@ -165,7 +165,8 @@ class Collector:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            await asyncio.to_thread(self.writer.flush)
+            # bounded: groups that cannot be committed now stay in the spool for the next start
+            await asyncio.to_thread(self.writer.flush, self.cc.drain_timeout_s + 60.0)
             self._refresh_metrics()
             await self._report()
         return self.metrics

@@ -111,6 +111,12 @@ async def collect(
             max_retries=config.inference.max_retries,
         )
         stack.push_async_callback(inner.aclose)
+        if config.inference.server_urls:
+            # External servers may hold other weights (another run, an older version): load
+            # this run's latest policy (version 0 = learner.model) before sampling anything.
+            latest = await asyncio.to_thread(store.latest_policy, config.name)
+            weights = latest.checkpoint_uri if latest else config.learner.model
+            await inner.reload(weights, latest.version if latest else 0)
         pool = SandboxPool(config.sandbox, labels={"sandpiper.run": config.name})
         await pool.start()
         stack.push_async_callback(pool.close)

@@ -25,8 +25,9 @@ from trainer.packing import (
     MicroBatch,
     TrainSequence,
     pack,
+    pack_rows,
     packed_logprobs,
-    plan_micro_batches,
+    plan_rows,
     token_scales,
 )
 
@@ -80,8 +81,8 @@ def build_minibatch(
     )
     pairs = list(zip(seqs, [c * world.world_size for c in scales], strict=True))
     mine = shard(pairs, [len(s.token_ids_T) for s in seqs], world)
-    bins = plan_micro_batches([len(s.token_ids_T) for s, _ in mine], learner_cfg.micro_batch_tokens)
-    micros = [pack([mine[i][0] for i in b], [mine[i][1] for i in b], world.device) for b in bins]
+    plan = plan_rows([len(s.token_ids_T) for s, _ in mine], learner_cfg.micro_batch_tokens)
+    micros = [pack_rows([[mine[i] for i in row] for row in rows], world.device) for rows in plan]
     while len(micros) < _all_max(len(micros), world):
         micros.append(pack([_PAD], [0.0], world.device))
     return micros

@@ -44,34 +44,40 @@ class TrainSequence:
 
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
-    """Packed tensors for one forward pass (a single row of N tokens)."""
+    """Packed tensors for one forward pass: R rows of L tokens, flattened per-token arrays.
+
+    Per-token arrays (``_T``) have R * L entries in row-major order. The tail of a row that
+    is not filled is one padding segment (id 0, own positions, never in the loss), counted
+    as an extra sequence so per-sequence sums never mix it with real tokens.
+    """
 
     input_ids: torch.Tensor
-    """(1, N) int64."""
+    """(R, L) int64."""
     position_ids: torch.Tensor
-    """(1, N) int64, restarting at 0 per sequence."""
+    """(R, L) int64, restarting at 0 per sequence."""
     seq_index_T: torch.Tensor
-    """(N,) int64 index of the owning sequence within this micro-batch."""
+    """(R*L,) int64 index of the owning sequence within this micro-batch."""
     loss_mask_T: torch.Tensor
-    """(N,) bool."""
+    """(R*L,) bool."""
     logp_behav_T: torch.Tensor
-    """(N,) float32, 0 where masked (NaN removed so masked arithmetic stays finite)."""
+    """(R*L,) float32, 0 where masked (NaN removed so masked arithmetic stays finite)."""
     advantages_T: torch.Tensor
-    """(N,) float32, the sequence's advantage broadcast to its tokens."""
+    """(R*L,) float32, the sequence's advantage broadcast to its tokens."""
     token_scale_T: torch.Tensor
-    """(N,) float32 loss normaliser per token (aggregation mode, see ``token_scales``)."""
+    """(R*L,) float32 loss normaliser per token (aggregation mode, see ``token_scales``)."""
     num_seqs: int
+    """Sequences including padding segments (the size of per-sequence reductions)."""
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
+        return int(self.input_ids.numel())
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Group sequence indices into micro-batches of at most ``max_tokens`` tokens.
+    """Group sequence indices into bins of at most ``max_tokens`` tokens (rows).
 
-    First-fit decreasing: few, well-filled rows. A sequence longer than ``max_tokens`` gets a
-    row of its own (it is never split: its tokens attend to each other).
+    First-fit decreasing: few, well-filled bins. A sequence longer than ``max_tokens`` gets a
+    bin of its own (it is never split: its tokens attend to each other).
     """
     bins: list[list[int]] = []
     room: list[int] = []
@@ -85,6 +91,21 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
             bins.append([i])
             room.append(max_tokens - lengths[i])
     return bins
+
+
+def plan_rows(lengths: Sequence[int], max_tokens: int) -> list[list[list[int]]]:
+    """Micro-batches of rows of sequence indices.
+
+    Rows are as long as the longest sequence (attention costs row length per token, so long
+    rows of many short sequences would waste compute on masked-out pairs); as many rows as
+    fit in ``max_tokens`` make one micro-batch (one batched forward pass).
+    """
+    if not lengths:
+        return []
+    row_len = max(lengths)
+    rows = plan_micro_batches(lengths, row_len)
+    per_micro = max(1, max_tokens // row_len)
+    return [rows[i : i + per_micro] for i in range(0, len(rows), per_micro)]
 
 
 def token_scales(
@@ -107,10 +128,31 @@ def token_scales(
     return [1.0 / (constant * max(total_seqs, 1))] * len(seqs)
 
 
+def _padding(n: int) -> TrainSequence:
+    return TrainSequence(
+        "padding", np.zeros(n, np.int32), np.zeros(n, bool), np.full(n, np.nan, np.float32), 0.0
+    )
+
+
 def pack(
     seqs: Sequence[TrainSequence], scales: Sequence[float], device: torch.device | str = "cpu"
 ) -> MicroBatch:
     """Concatenate sequences into one row with per-sequence position ids."""
+    return pack_rows([list(zip(seqs, scales, strict=True))], device)
+
+
+def pack_rows(
+    rows: Sequence[Sequence[tuple[TrainSequence, float]]], device: torch.device | str = "cpu"
+) -> MicroBatch:
+    """Pack rows of (sequence, loss scale) into one (R, L) micro-batch."""
+    row_len = max(sum(len(s.token_ids_T) for s, _ in row) for row in rows)
+    flat: list[tuple[TrainSequence, float]] = []
+    for row in rows:
+        flat.extend(row)
+        fill = row_len - sum(len(s.token_ids_T) for s, _ in row)
+        if fill:
+            flat.append((_padding(fill), 0.0))
+    seqs = [s for s, _ in flat]
     ids = np.concatenate([s.token_ids_T for s in seqs]).astype(np.int64)
     positions = np.concatenate([np.arange(len(s.token_ids_T)) for s in seqs])
     seq_index = np.concatenate([np.full(len(s.token_ids_T), i) for i, s in enumerate(seqs)])
@@ -119,16 +161,14 @@ def pack(
     behav = np.concatenate([s.behaviour_logprobs_T for s in seqs]).astype(np.float32)
     behav = np.where(mask, np.nan_to_num(behav, nan=0.0), 0.0).astype(np.float32)
     adv = np.concatenate([np.full(len(s.token_ids_T), s.advantage) for s in seqs])
-    scale = np.concatenate(
-        [np.full(len(s.token_ids_T), c) for s, c in zip(seqs, scales, strict=True)]
-    )
+    scale = np.concatenate([np.full(len(s.token_ids_T), c) for s, c in flat])
 
     def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
     return MicroBatch(
-        input_ids=t(ids, torch.int64)[None],
-        position_ids=t(positions, torch.int64)[None],
+        input_ids=t(ids, torch.int64).view(len(rows), row_len),
+        position_ids=t(positions, torch.int64).view(len(rows), row_len),
         seq_index_T=t(seq_index, torch.int64),
         loss_mask_T=t(mask, torch.bool),
         logp_behav_T=t(behav, torch.float32),
@@ -139,10 +179,10 @@ def pack(
 
 
 def packed_logprobs(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-    """(N,) float32 log-probability of every token given its own sequence's prefix.
+    """(R*L,) float32 log-probability of each loss token given its own sequence's prefix.
 
     Raw model logprobs (no temperature), matching what vLLM stores in ``raw_logprobs`` mode.
-    Entries at sequence starts are 0 and must be masked by the caller.
+    Entries outside ``micro.loss_mask_T`` are 0.
     """
     out = model(
         input_ids=micro.input_ids,
@@ -150,7 +190,13 @@ def packed_logprobs(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
         attention_mask=None,
         use_cache=False,
     )
-    logits = out.logits[0, :-1].float()
-    next_logp = -F.cross_entropy(logits, micro.input_ids[0, 1:], reduction="none")
-    logp_T = torch.cat([next_logp.new_zeros(1), next_logp])
-    return torch.where(micro.position_ids[0] == 0, torch.zeros_like(logp_T), logp_T)
+    logits = out.logits[:, :-1]
+    targets = micro.input_ids[:, 1:]
+    # Only tokens in the loss need a log-softmax over the vocabulary (prompt and tool tokens
+    # are most of an agent's context): select them before the cross-entropy.
+    needed = micro.loss_mask_T.view(micro.input_ids.shape)[:, 1:]
+    picked = -F.cross_entropy(logits[needed].float(), targets[needed], reduction="none")
+    next_logp = torch.zeros(targets.shape, dtype=picked.dtype, device=picked.device)
+    next_logp = next_logp.masked_scatter(needed, picked)
+    logp = torch.cat([next_logp.new_zeros(next_logp.shape[0], 1), next_logp], dim=1)
+    return logp.reshape(-1)

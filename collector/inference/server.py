@@ -279,6 +279,32 @@ class VLLMServer:
         self.stop()
 
 
+def launch_servers(
+    config: InferenceConfig, model_dir: str | Path, *, log_dir: str | Path | None = None
+) -> list[VLLMServer]:
+    """Start ``config.num_servers`` local servers concurrently and return them once all are
+    healthy (if one fails, the others are stopped and the error is raised).
+
+    Logs go to ``config.log_dir``, else ``log_dir`` (e.g. ``<run_dir>/logs``), else the temp dir.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    servers = []
+    for i in range(config.num_servers):
+        kwargs = {}
+        if log_dir is not None and config.log_dir is None:
+            kwargs["log_path"] = Path(log_dir) / f"vllm-{config.base_port + i}.log"
+        servers.append(VLLMServer.from_config(config, model_dir, index=i, **kwargs))
+    with ThreadPoolExecutor(max_workers=len(servers) or 1) as pool:
+        futures = [pool.submit(server.start) for server in servers]
+        errors = [f.exception() for f in futures]
+    if any(errors):
+        for server in servers:
+            server.stop()
+        raise next(e for e in errors if e is not None)
+    return servers
+
+
 def _check(response: httpx.Response, what: str) -> None:
     if response.status_code != 200:
         raise InferenceError(f"{what} failed: HTTP {response.status_code}: {response.text[:500]}")

@@ -60,6 +60,8 @@ set -a
 __sp_fd=$1; __sp_cmd=$2; shift 2
 eval "$__sp_cmd"
 """
+MAX_TREE_ENTRIES = 5000
+"""A directory view lists at most this many paths (the reply stays small)."""
 DRAIN_AFTER_EXIT_S = 0.05
 """How long to keep reading pipes held open by background processes after the command."""
 
@@ -361,6 +363,8 @@ def list_tree(req: dict) -> dict:
         for name in names:
             if name.startswith("."):
                 continue
+            if len(found) >= MAX_TREE_ENTRIES:
+                return
             full = os.path.join(path, name)
             found.append(full)
             if os.path.isdir(full) and not os.path.islink(full):

@@ -233,9 +233,16 @@ async def ensure_limits_enforced(config: SandboxConfig) -> list[CheckResult]:
             "or set sandbox.allow_unenforced_limits = true to run anyway."
         )
     if not failed:
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps([asdict(r) for r in results]))
+        await save_passing(config, results)
     return results
+
+
+async def save_passing(config: SandboxConfig, results: list[CheckResult]) -> None:
+    """Cache an all-passing result so pools on this host skip the checks."""
+    if results and all(r.passed for r in results):
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        cache = CACHE_DIR / f"sandbox-check-{await _cache_key(config)}.json"
+        cache.write_text(json.dumps([asdict(r) for r in results]))
 
 
 if __name__ == "__main__":

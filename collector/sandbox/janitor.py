@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from collector.sandbox.podman import run_podman
-from sandpiper.errors import SandboxError
-
-log = logging.getLogger(__name__)
+from collector.sandbox.podman import remove_containers_by_name, run_podman
 
 
 @dataclass(frozen=True)
@@ -69,14 +65,7 @@ async def remove_containers(filters: Mapping[str, str]) -> list[str]:
     """Remove every sandbox container matching ``filters``; returns their names."""
     names = [c.name for c in await list_containers(filters)]
     if names:
-        try:
-            await run_podman("rm", "-f", "-t", "0", "--ignore", *names)
-        except SandboxError as e:  # e.g. one was being removed concurrently: retry once
-            log.info("podman rm failed (%s); retrying", e)
-            await asyncio.sleep(0.5)
-            names = [c.name for c in await list_containers(filters)]
-            if names:
-                await run_podman("rm", "-f", "-t", "0", "--ignore", *names)
+        await remove_containers_by_name(names)
     return names
 
 
@@ -84,7 +73,11 @@ async def gc(*, dry_run: bool = False) -> list[str]:
     """Remove the containers of collectors that are gone; returns their names."""
     orphans = [c.name for c in await list_containers() if not collector_alive(c.collector)]
     if orphans and not dry_run:
-        await run_podman("rm", "-f", "-t", "0", "--ignore", *orphans)
+        await remove_containers_by_name(orphans)
+        from collector.sandbox.pool import REGISTRY_DIR
+
+        for name in orphans:
+            (REGISTRY_DIR / f"{name}.json").unlink(missing_ok=True)
     return orphans
 
 

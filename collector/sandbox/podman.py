@@ -69,6 +69,19 @@ async def run_podman(*args: str, stdin: bytes | None = None, timeout_s: float = 
     return out
 
 
+async def remove_containers_by_name(names: list[str], attempts: int = 4) -> None:
+    """``podman rm -f``, retried: on podman 4.3 a removal racing another podman call can
+    fail with "unlinkat …/userdata/shm: device or resource busy"."""
+    for attempt in range(attempts):
+        try:
+            await run_podman("rm", "-f", "-t", "0", "--ignore", *names)
+            return
+        except SandboxError:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.2 * 2**attempt)
+
+
 async def _reap(proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is None:
         proc.kill()
@@ -122,6 +135,8 @@ class PodmanSandbox:
         self._shell: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._dead = False
+        self._desynced = False
+        """True while a request's reply has not been read completely."""
         self.restarts = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -156,11 +171,10 @@ class PodmanSandbox:
         """Stop the shell and remove the container (idempotent)."""
         self._dead = True
         await self._kill_shell()
-        proc = await asyncio.create_subprocess_exec(
-            "podman", "rm", "-f", "-t", "0", "--ignore", self.name,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        await proc.wait()
+        try:
+            await remove_containers_by_name([self.name])
+        except SandboxError as e:  # `sandpiper sandbox gc` will find it (collector label)
+            log.warning("could not remove %s: %s", self.name, e)
 
     async def _start_shell(self, *, takeover: bool) -> None:
         argv = ["podman", "exec", "-i", self.name, "python3", "-I", SUPERVISOR]
@@ -196,12 +210,20 @@ class PodmanSandbox:
     async def _call(
         self, req: dict[str, Any], payload: bytes = b"", *, timeout_s: float = 60.0
     ) -> tuple[dict[str, Any], bytes]:
-        """Send one framed request; raise ``TimeoutError`` or ``ConnectionError``."""
+        """Send one framed request; raise ``TimeoutError`` or ``ConnectionError``.
+
+        A call interrupted half-way (cancelled, or a reply cut short) leaves a reply in the
+        pipe that would be read as the answer to the next request, so the next call first
+        restarts the shell.
+        """
+        if self._desynced and not await self._recover():
+            raise ConnectionError("the sandbox shell could not be restarted")
         shell = self._shell
         if shell is None or shell.returncode is not None or self._dead:
             raise ConnectionError("the sandbox shell is not running")
         assert shell.stdin is not None and shell.stdout is not None
         req["len"] = len(payload)
+        self._desynced = True  # until the whole reply has been read
         try:
             shell.stdin.write(json.dumps(req).encode() + b"\n")
             if payload:
@@ -217,6 +239,9 @@ class PodmanSandbox:
             data = await asyncio.wait_for(shell.stdout.readexactly(size), timeout_s)
         except (BrokenPipeError, ConnectionResetError, asyncio.IncompleteReadError) as e:
             raise ConnectionError(f"the sandbox shell went away: {e}") from e
+        except (ValueError, asyncio.LimitOverrunError) as e:
+            raise ConnectionError(f"garbled reply from the sandbox shell: {e}") from e
+        self._desynced = False
         return header, data
 
     async def _op(self, req: dict[str, Any], payload: bytes = b"") -> tuple[dict, bytes]:
@@ -240,6 +265,7 @@ class PodmanSandbox:
         try:
             await self._start_shell(takeover=True)
             self.restarts += 1
+            self._desynced = False
             return True
         except SandboxError:
             log.warning("sandbox %s: shell restart failed; it will be replaced", self.name)

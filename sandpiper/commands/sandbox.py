@@ -30,11 +30,17 @@ def register(app: typer.Typer) -> None:
         """Prove on this host that every limit holds (fork bomb, OOM, network, uid, ...)."""
         import asyncio
 
-        from collector.sandbox.check import run_checks
+        from collector.sandbox.check import run_checks, save_passing
 
         cfg = resolve_config(config, ctx)
+
+        async def check_and_cache() -> list:
+            results = await run_checks(cfg.sandbox)
+            await save_passing(cfg.sandbox, results)
+            return results
+
         with cli_errors():
-            results = asyncio.run(run_checks(cfg.sandbox))
+            results = asyncio.run(check_and_cache())
         for r in results:
             mark = typer.style("ok  ", fg="green") if r.passed else typer.style("FAIL", fg="red")
             typer.echo(f"{mark} {r.name:24} {r.detail}")

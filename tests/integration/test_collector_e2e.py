@@ -99,7 +99,7 @@ def test_short_run_stores_token_exact_groups(vllm_server, sandbox_image, tmp_pat
         assert sampled, "every valid episode has at least one sampled turn"
         for r in sampled:
             assert r[4] == "assistant" and len(r[6]) == len(r[7]) == len(r[8]) > 0
-            assert all(lp <= 0.0 for lp in r[7]) and set(r[8]) == {0}
+            assert all(lp <= 0.0 for lp in r[7]) and set(r[8]) == {0}  # collect loads v0
     # the claimable training view: the loss mask covers exactly the sampled tokens
     batch = store.claim_batch(run_id="it-short", learner_id="t", n_groups=2, max_lag=5)
     assert batch is not None and len(batch.groups) == 2
@@ -170,3 +170,85 @@ def test_sigkill_and_restart_no_duplicates_no_leftovers(vllm_server, sandbox_ima
         for seq in range(max(seqs) + 1):
             assert seq in seqs or f"it-crash/{task}/{seq}" in pending, (task, seq)
     assert "stopped:" in log.read_text()
+
+
+def test_a_policy_registered_in_the_store_is_hot_loaded(vllm_server, sandbox_image, tmp_path):
+    from collector.inference.vllm_client import VLLMPolicyClient
+    from collector.launch import collect
+    from store import Store
+    from store.records import PolicyRecord
+    from tests.integration.test_hot_reload import perturbed_checkpoint
+
+    toml = _config_toml(
+        tmp_path, vllm_server, name="it-reload", tasks=str(REPO / "tasks/demo.jsonl"),
+        policy_poll_s=0.3,
+    )  # fmt: skip
+    config = load_config(toml)
+    checkpoint = perturbed_checkpoint(vllm_server.model_dir, tmp_path / "policy-v1", seed=3)
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        run = asyncio.create_task(collect(config, stop=stop, live_status=False))
+        store = Store(config.store.url)
+        try:
+            for _ in range(600):
+                await asyncio.sleep(0.5)
+                if run.done() or await _versions(store):
+                    break
+            await asyncio.to_thread(
+                store.register_policy, PolicyRecord("it-reload", 1, str(checkpoint), 0, None)
+            )
+            for _ in range(600):
+                await asyncio.sleep(0.5)
+                if run.done() or 1 in {v for _, v in await _versions(store)}:
+                    break
+        finally:
+            stop.set()
+            await run
+            async with VLLMPolicyClient([vllm_server.url], initial_version=1) as client:
+                await client.reload(vllm_server.model_dir, 2)  # leave the original weights
+
+    async def _versions(store) -> list[tuple[int, int]]:
+        sql = "SELECT min_policy_version, max_policy_version FROM groups"
+        try:
+            return await asyncio.to_thread(_rows, store, sql)
+        except Exception:  # the collector may hold the DuckDB lock for a moment
+            return []
+
+    asyncio.run(scenario())
+    versions = _rows(
+        Store(config.store.url), "SELECT min_policy_version, max_policy_version FROM groups"
+    )
+    assert (0, 0) in versions, versions  # groups sampled before the reload
+    assert any(hi == 1 for _, hi in versions), versions  # and after it
+    assert _containers("it-reload") == []
+
+
+def test_eval_mode_against_the_chat_endpoint(vllm_server, sandbox_image, tmp_path):
+    from collector.eval import evaluate
+    from store import Store
+
+    toml = _config_toml(
+        tmp_path, vllm_server, name="it-eval", tasks=str(REPO / "tasks/folders"),
+        validation_group_size=2, max_tokens_per_turn=32,
+    )  # fmt: skip
+    config = load_config(toml)
+    n = asyncio.run(
+        evaluate(
+            config, endpoint_url=vllm_server.url, model=str(vllm_server.model_dir), api_key=None
+        )
+    )
+    assert n == 2
+    store = Store(config.store.url)
+    groups = _rows(store, "SELECT group_id, split, n_episodes FROM groups ORDER BY group_id")
+    assert groups == [
+        ("it-eval/fix-add/0", "validation", 2),
+        ("it-eval/write-hello/0", "validation", 2),
+    ]
+    episodes = _rows(store, "SELECT trainable, valid, stop_reason, error FROM episodes")
+    assert len(episodes) == 4 and not any(t for t, *_ in episodes)
+    assert all(valid for _, valid, _, _ in episodes), episodes
+    turns = _rows(store, "SELECT len(token_ids), trainable FROM turns")
+    assert turns and all(n_ids == 0 and not trainable for n_ids, trainable in turns)
+    assert store.claim_batch(run_id="it-eval", learner_id="t", n_groups=1, max_lag=9) is None
+    assert _containers("it-eval") == []

@@ -87,6 +87,7 @@ def test_kill_9_at_several_points_loses_and_repeats_nothing(tmp_path, learner_ti
             if proc.poll() is None:
                 _kill(proc)
 
+    assert _latest(store) >= 3  # the killed learners did register progress
     proc = _start(config, log)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
 

@@ -149,3 +149,40 @@ def test_check_command_proves_every_limit(sandbox_image):
                  "workspace_size", "memory_limit", "pids_limit", "cpu_limit",
                  "init_survives_kill_all"]:  # fmt: skip
         assert f"ok   {name}" in proc.stdout, proc.stdout
+
+
+def test_task_image_extends_the_base_and_is_cached(sandbox_config, sandbox_image, tmp_path):
+    from collector.sandbox.image import extend_image, image_recipe_hash
+
+    setup = tmp_path / "setup.sh"
+    setup.write_text("echo extended > /etc/sandpiper-extended\n")
+    tag = "localhost/sandpiper-test-task:1"
+    try:
+        assert extend_image(sandbox_config.image, setup, tag, network=False) == tag
+        digest = image_recipe_hash(tag)
+        assert digest and digest != image_recipe_hash(sandbox_config.image)
+        extend_image(sandbox_config.image, setup, tag, network=False)  # cached: same image
+        assert image_recipe_hash(tag) == digest
+        out = subprocess.run(["podman", "run", "--rm", "--network=none", tag, "cat",
+                              "/etc/sandpiper-extended"], capture_output=True, text=True)  # fmt: skip
+        assert out.stdout == "extended\n"
+    finally:
+        subprocess.run(["podman", "rmi", "-f", tag], capture_output=True, check=False)
+
+
+def test_cancelled_exec_does_not_desync_the_shell(sandbox_pool):
+    async def go():
+        async with (
+            sandbox_pool(pool_size=1) as pool,
+            pool.session(episode_id="e", task_id="t") as b,
+        ):
+            await b.exec("cd /tmp")
+            slow = asyncio.create_task(b.exec("sleep 2; echo SLOW", timeout_s=10))
+            await asyncio.sleep(0.5)
+            slow.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            r = await b.exec("echo next; pgrep -c sleep || true")
+            assert r.stdout == "next\n0\n" and b.restarts == 1
+
+    asyncio.run(go())

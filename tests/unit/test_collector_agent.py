@@ -217,3 +217,65 @@ def test_xml_tool_format(tiny_tokenizer, fmt):
     xml = "<tool_call>\n<function=submit>\n<parameter=answer>\n42\n</parameter>\n</function>\n</tool_call>"
     episode, _, toolbox, _ = _run(tiny_tokenizer, [xml], limits=EpisodeLimits(tool_format=fmt))
     assert toolbox.calls == [("submit", {"answer": "42"})] and episode.reward == 1.0
+
+
+def test_seed_files_and_setup_script_run_first_and_a_broken_setup_is_infra(
+    tiny_tokenizer, tmp_path
+):
+    from collector.sandbox.base import ExecOutcome, ExecResult
+
+    (tmp_path / "files").mkdir()
+    (tmp_path / "setup.sh").write_text("exit 3\n")
+    task = Task("t5", "x", {"reward": "exact", "answer": "1"}, "u", "folder", data_dir=tmp_path)
+
+    class FailingSetup(FakeSandbox):
+        async def exec(self, command, **kwargs):
+            if "sandpiper_setup" in command:
+                self.commands.append(command)
+                return ExecResult("", "boom", 3, ExecOutcome.OK, 1.0, 0, 4)
+            return await super().exec(command, **kwargs)
+
+    ok_box = FakeSandbox()
+    episode, *_ = _run(tiny_tokenizer, [SUBMIT_42], task=task, sandbox=ok_box)
+    assert ok_box.copied == [(tmp_path / "files", "/workspace")]
+    assert ok_box.files["/tmp/sandpiper_setup.sh"] == b"exit 3\n" and episode.valid
+    broken = FailingSetup()
+    episode, policy, *_ = _run(tiny_tokenizer, [SUBMIT_42], task=task, sandbox=broken)
+    assert episode.stop_reason is StopReason.INFRA_ERROR and not episode.valid
+    assert "setup.sh" in episode.error and policy.prompts == []
+
+
+def test_real_toolbox_turns_bad_calls_into_observations(tiny_tokenizer):
+    """Unknown tools, wrong argument types and huge arguments through the real Toolbox."""
+    from collector.tools import TOOL_SCHEMAS, Toolbox
+
+    replies = [
+        '<tool_call>\n{"name": "execute_bash", "arguments": {"command": 42}}\n</tool_call>',
+        '<tool_call>\n{"name": "launch_missiles", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "'
+        + "y" * 70_000
+        + '"}}\n</tool_call>',
+        "I give up.",
+    ]
+    sandbox = FakeSandbox()
+    toolbox = Toolbox(
+        sandbox, tests_dir=None, test_command=None, test_timeout_s=5, exec_timeout_s=5
+    )
+    episode = asyncio.run(
+        run_episode(
+            episode_id="e", sample_index=0, task=MATH,
+            client=ScriptedPolicy(tiny_tokenizer, replies),
+            renderer=ChatRenderer(tiny_tokenizer, TOOL_SCHEMAS), sandbox=sandbox,
+            toolbox=toolbox, limits=EpisodeLimits(max_turns=5, context_limit=100_000,
+                                                  max_episode_tokens=100_000,
+                                                  max_tokens_per_turn=100_000),
+        )
+    )  # fmt: skip
+    kinds = [c.error_kind for t in episode.turns for c in t.tool_calls]
+    assert kinds == [
+        ToolErrorKind.BAD_ARGUMENTS,
+        ToolErrorKind.UNKNOWN_TOOL,
+        ToolErrorKind.ARGUMENTS_TOO_LARGE,
+    ]
+    assert episode.stop_reason is StopReason.NO_TOOL_CALL and episode.valid
+    assert sandbox.commands == []  # nothing malformed reached the sandbox

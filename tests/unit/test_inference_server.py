@@ -162,3 +162,36 @@ def test_from_config_uses_log_dir_and_server_args(tmp_path: Path) -> None:
     server = VLLMServer.from_config(config, "/m", index=1)
     assert server.log_path == tmp_path / f"vllm-{config.base_port + 1}.log"
     assert server.command()[-2:] == ["--max-num-seqs", "8"]
+
+
+def test_launch_servers_starts_all_or_none(tmp_path: Path, monkeypatch) -> None:
+    from collector.inference.server import launch_servers
+
+    def fake_command(self: VLLMServer) -> list[str]:
+        workdir = tmp_path / str(self.port)
+        workdir.mkdir(exist_ok=True)
+        script = workdir / "fake_vllm.py"
+        script.write_text(FAKE_SERVER)
+        if self.port == crash_port:
+            return [sys.executable, "-c", "raise SystemExit(4)"]
+        return [sys.executable, str(script), str(self.port), str(workdir / "c"), str(workdir / "p")]
+
+    monkeypatch.setattr(VLLMServer, "command", fake_command)
+    base = free_port()
+    config = InferenceConfig(num_servers=2, base_port=base, startup_timeout_s=30.0)
+
+    crash_port = -1
+    servers = launch_servers(config, tmp_path / "model", log_dir=tmp_path)
+    try:
+        assert [s.port for s in servers] == [base, base + 1]
+        assert all(s.is_alive() and s.healthy() for s in servers)
+        assert servers[1].log_path == tmp_path / f"vllm-{base + 1}.log"
+    finally:
+        for server in servers:
+            server.stop()
+
+    crash_port = base + 1
+    with pytest.raises(InferenceError, match="exited with 4"):
+        launch_servers(config, tmp_path / "model", log_dir=tmp_path)
+    healthy_child = int((tmp_path / str(base) / "p").read_text())
+    assert wait_until(lambda: not pid_alive(healthy_child)), "the healthy server was left running"

@@ -26,7 +26,7 @@ def _seq(rng: np.random.Generator, n: int, adv: float = 1.0) -> TrainSequence:
     mask = np.zeros(n, bool)
     mask[n // 2 :] = True
     return TrainSequence(
-        f"e{n}", rng.integers(0, 96, n).astype(np.int32), mask,
+        f"e{n}", rng.integers(1, 96, n).astype(np.int32), mask,
         np.where(mask, -1.0, np.nan).astype(np.float32), adv,
     )  # fmt: skip
 
@@ -81,3 +81,30 @@ def test_token_scales_sum_to_the_right_mean() -> None:
     assert [c * s.loss_tokens for c, s in zip(seq, seqs, strict=True)] == pytest.approx([0.5] * 2)
     const = token_scales(seqs, mode="constant", total_loss_tokens=15, total_seqs=2, constant=64)
     assert const == pytest.approx([1 / 128] * 2)
+
+
+def test_rows_of_a_micro_batch_match_one_row(model) -> None:
+    from trainer.packing import pack_rows, plan_rows
+
+    rng = np.random.default_rng(3)
+    seqs = [_seq(rng, n) for n in (30, 12, 7, 25, 18, 3)]
+    plan = plan_rows([len(s.token_ids_T) for s in seqs], max_tokens=60)
+    assert all(len(rows) <= 2 for rows in plan)  # rows of 30 tokens, 2 per micro-batch
+    assert sorted(i for rows in plan for row in rows for i in row) == list(range(6))
+    got = {}
+    with torch.no_grad():
+        for rows in plan:
+            micro = pack_rows([[(seqs[i], 1.0) for i in row] for row in rows])
+            assert micro.input_ids.shape[1] == 30
+            logp = packed_logprobs(model, micro)
+            padding = micro.input_ids.reshape(-1) == 0
+            assert not micro.loss_mask_T[padding].any()
+            for r, row in enumerate(rows):
+                offset = r * 30
+                for i in row:
+                    n = len(seqs[i].token_ids_T)
+                    got[i] = logp[offset : offset + n]
+                    offset += n
+        for i, s in enumerate(seqs):
+            alone = packed_logprobs(model, pack([s], [1.0]))
+            assert torch.allclose(got[i], alone, atol=1e-5), i
