@@ -192,7 +192,8 @@ async def _loop(
             state.answer, state.stop = parsed.content, StopReason.NO_TOOL_CALL
             return
         t_tools = time.perf_counter()
-        records, tool_messages = await _run_tools(state, parsed.tool_calls, toolbox)
+        offered = {t["function"]["name"] for t in renderer.tools}
+        records, tool_messages = await _run_tools(state, parsed.tool_calls, toolbox, offered)
         tools_ms = (time.perf_counter() - t_tools) * 1000
         _add_assistant(state, generation, text, records, timing)
         if state.stop is not None:
@@ -246,13 +247,24 @@ def _truncation_stop(state: _State, limits: EpisodeLimits) -> StopReason:
 
 
 async def _run_tools(
-    state: _State, calls: Sequence[ParsedToolCall], toolbox: ToolRunner
+    state: _State,
+    calls: Sequence[ParsedToolCall],
+    toolbox: ToolRunner,
+    offered: set[str] | None = None,
 ) -> tuple[list[ToolCallRecord], list[dict[str, Any]]]:
-    """Run the calls in order; stop after ``submit`` or a dead sandbox."""
+    """Run the calls in order; stop after ``submit`` or a dead sandbox.
+
+    ``offered`` is the set of tool names rendered into the prompt (None = all): calling any
+    other tool is an ``unknown_tool`` error observation, even if the toolbox has it."""
     records: list[ToolCallRecord] = []
     messages: list[dict[str, Any]] = []
     for index, call in enumerate(calls):
-        if call.ok:
+        if call.ok and offered is not None and call.name not in offered:
+            result = ToolResult(
+                output=f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(offered))}",
+                error_kind=ToolErrorKind.UNKNOWN_TOOL,
+            )
+        elif call.ok:
             assert call.arguments is not None
             try:
                 result = await toolbox.call(call.name, call.arguments)

@@ -125,6 +125,7 @@ class Collector:
             top_p=cc.top_p,
             tool_format=cc.tool_parser,
             max_argument_bytes=cc.max_argument_bytes,
+            **({"system_prompt": cc.system_prompt} if cc.system_prompt else {}),
         )
         self.max_unconsumed = (
             cc.max_unconsumed_groups

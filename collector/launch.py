@@ -96,7 +96,8 @@ async def collect(
     if removed:
         log.info("removed %d containers left by dead collectors", len(removed))
     tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
-    renderer = ChatRenderer(tokenizer, TOOL_SCHEMAS)
+    offered = [t for t in TOOL_SCHEMAS if t["function"]["name"] in cc.tools]
+    renderer = ChatRenderer(tokenizer, offered)
     reporter = StatusReporter(
         cc.metrics_file or run_dir / "collector_metrics.jsonl", live=live_status
     )

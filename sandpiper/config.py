@@ -111,6 +111,12 @@ class CollectorConfig(_Part):
 
     tasks: str = "tasks/demo.jsonl"
     """A JSONL file of tasks or a folder of task folders."""
+    tools: list[Literal["execute_bash", "str_replace_editor", "submit"]] = Field(
+        default_factory=lambda: ["execute_bash", "str_replace_editor", "submit"]
+    )
+    """Tools offered to the agent (rendered into the prompt); calls to others are errors."""
+    system_prompt: str | None = None
+    """System prompt of every episode; None = the agent's default prompt."""
     group_size: int = 8
     """Samples per task; one GRPO group."""
     max_turns: int = 6

@@ -83,11 +83,11 @@ def test_submit_episode_is_token_in_token_out(tiny_tokenizer):
         ToolErrorKind.NONE,
     ]
     assert "malformed tool call" in episode.turns[4].text
-    assert toolbox.calls == [
-        ("execute_bash", {"command": "ls"}),
-        ("rm_rf", {}),
-        ("submit", {"answer": "42"}),
-    ]
+    # a tool that was not offered never reaches the toolbox: it is an error observation
+    assert toolbox.calls == [("execute_bash", {"command": "ls"}), ("submit", {"answer": "42"})]
+    unknown = [c for t in episode.turns for c in t.tool_calls if c.name == "rm_rf"]
+    assert [c.error_kind for c in unknown] == [ToolErrorKind.UNKNOWN_TOOL]
+    assert "unknown tool" in unknown[0].output
     assert "<tool_response>\nran: ls\n\n</tool_response>" in episode.turns[2].text
 
 
