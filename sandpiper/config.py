@@ -100,7 +100,8 @@ class InferenceConfig(_Part):
     server_args: list[str] = Field(default_factory=list)
     """Extra ``vllm`` flags for launched servers (e.g. ``["--max-num-seqs", "32"]``)."""
     log_dir: str | None = None
-    """Where launched servers write ``vllm-<port>.log``; None = ``<run_dir>/logs``."""
+    """Where launched servers write ``vllm-<port>.log``; None = the ``log_dir`` the launcher
+    passes to ``launch_servers`` (the run's folder), else the temp dir."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Stored sampling logprobs: raw model logprobs (before temperature) or processed.
     The learner computes the same kind, so the importance weight compares like with like."""

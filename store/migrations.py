@@ -55,7 +55,7 @@ def read_version(conn: sa.Connection) -> int:
         return 0
     row = conn.execute(
         sa.select(schema.schema_meta.c.value).where(schema.schema_meta.c.key == "schema_version")
-    ).first()
+    ).one_or_none()  # fully fetched: DuckDB refuses other work on an unfinished result
     return int(row[0]) if row else 0
 
 

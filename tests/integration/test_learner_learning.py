@@ -9,19 +9,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.fixtures.learner import make_config, sample_group
+from tests.fixtures.learner import MemoryStore, make_config, sample_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_reward_rises_on_bandit(tmp_path, learner_tiny_model) -> None:
+@pytest.mark.parametrize("kind", ["duckdb", "memory"])
+def test_reward_rises_on_bandit(tmp_path, learner_tiny_model, kind) -> None:
     from store import Store
     from trainer.engine import init_distributed
     from trainer.learner import Learner
 
     cfg = make_config(tmp_path, learner_tiny_model, lr=3e-3, groups_per_step=4, max_lag=1)
-    store = Store(cfg.store.url)
-    store.init()
+    if kind == "duckdb":
+        store = Store(cfg.store.url)
+        store.init()
+    else:
+        store = MemoryStore()  # the same loop without the store's I/O, as a cross-check
     learner = Learner(cfg, store, init_distributed())
     assert learner.version == 0 and store.latest_policy("lt").version == 0
     rewards, seq = [], 0

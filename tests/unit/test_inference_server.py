@@ -195,3 +195,22 @@ def test_launch_servers_starts_all_or_none(tmp_path: Path, monkeypatch) -> None:
         launch_servers(config, tmp_path / "model", log_dir=tmp_path)
     healthy_child = int((tmp_path / str(base) / "p").read_text())
     assert wait_until(lambda: not pid_alive(healthy_child)), "the healthy server was left running"
+
+
+def test_server_left_by_a_crashed_owner_is_reaped_on_next_start(tmp_path: Path) -> None:
+    first = make_server(tmp_path)
+    first.start()
+    orphan_pid = first.pid
+    assert orphan_pid is not None
+    # the owner dies without stop(): a new owner starts the same server on the same port
+    second = make_server(tmp_path)
+    second.port = first.port
+    try:
+        second.start()
+        assert wait_until(lambda: not pid_alive(orphan_pid)), "orphan not reaped"
+        assert second.is_alive() and second.healthy() and second.pid != orphan_pid
+        assert tmp_path.joinpath("server.pid").read_text() == str(second.pid)
+    finally:
+        second.stop()
+        first._proc = None  # already reaped; do not signal a recycled pid
+    assert not tmp_path.joinpath("server.pid").exists()

@@ -22,9 +22,10 @@ def model() -> torch.nn.Module:
     return Qwen2ForCausalLM(config).eval()
 
 
-def _seq(rng: np.random.Generator, n: int, adv: float = 1.0) -> TrainSequence:
+def _seq(rng: np.random.Generator, n: int, adv: float = 1.0, prompt: int = -1) -> TrainSequence:
+    """A sequence whose first ``prompt`` tokens (default: half) are not in the loss."""
     mask = np.zeros(n, bool)
-    mask[n // 2 :] = True
+    mask[n // 2 if prompt < 0 else prompt :] = True
     return TrainSequence(
         f"e{n}", rng.integers(1, 96, n).astype(np.int32), mask,
         np.where(mask, -1.0, np.nan).astype(np.float32), adv,
@@ -33,7 +34,7 @@ def _seq(rng: np.random.Generator, n: int, adv: float = 1.0) -> TrainSequence:
 
 def test_packed_logprobs_match_one_sequence_at_a_time(model) -> None:
     rng = np.random.default_rng(0)
-    seqs = [_seq(rng, n) for n in (17, 5, 40, 9)]
+    seqs = [_seq(rng, n, prompt=1) for n in (17, 5, 40, 9)]  # every predictable token
     with torch.no_grad():
         packed = packed_logprobs(model, pack(seqs, [1.0] * len(seqs)))
         alone = torch.cat([packed_logprobs(model, pack([s], [1.0])) for s in seqs])
@@ -87,7 +88,7 @@ def test_rows_of_a_micro_batch_match_one_row(model) -> None:
     from trainer.packing import pack_rows, plan_rows
 
     rng = np.random.default_rng(3)
-    seqs = [_seq(rng, n) for n in (30, 12, 7, 25, 18, 3)]
+    seqs = [_seq(rng, n, prompt=1) for n in (30, 12, 7, 25, 18, 3)]
     plan = plan_rows([len(s.token_ids_T) for s in seqs], max_tokens=60)
     assert all(len(rows) <= 2 for rows in plan)  # rows of 30 tokens, 2 per micro-batch
     assert sorted(i for rows in plan for row in rows for i in row) == list(range(6))

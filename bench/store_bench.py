@@ -1,0 +1,153 @@
+"""Store benchmark: ingest vs Parquet, learner batch fetch, read latency during writes.
+
+Run::
+
+    .venv/bin/python bench/store_bench.py            # full size: 10,000 × 20 turns × 500 tokens
+    .venv/bin/python bench/store_bench.py --scale 0.01 --json
+
+Figures (one line each; with ``--json`` the last line is one JSON object):
+
+- ingest: trajectories/s and MB/s of ``Store.write_groups`` (Arrow bulk insert, one
+  transaction per batch of 2,000 trajectories, as the writer commits) into a DuckDB file,
+  against writing the same Arrow tables to Parquet (zstd) with pyarrow in the same run →
+  ``ingest_vs_parquet_ratio`` = Parquet time / store time (1.0 = as fast as Parquet).
+- ``batch_fetch_ms_p50``: ``claim_batch`` of 64 groups × 8 trajectories (claim + load).
+- ``read_during_write_ms_p50``: a read-only query (open, count, close) while another thread
+  keeps committing batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from store import Store, arrow_io  # noqa: E402
+from store.records import PolicyRecord, RunRecord  # noqa: E402
+from store.testing import make_group  # noqa: E402
+
+GROUP_SIZE = 8
+BATCH_EPISODES = 2000
+
+
+def _batches(n_traj: int, n_turns: int, tokens: int, prefix: str):
+    per_batch = BATCH_EPISODES // GROUP_SIZE
+    n_groups = max(1, n_traj // GROUP_SIZE)
+    for start in range(0, n_groups, per_batch):
+        yield [
+            make_group(f"{prefix}{i:06d}", n_episodes=GROUP_SIZE, n_turns=n_turns,
+                       tokens_per_turn=tokens)
+            for i in range(start, min(start + per_batch, n_groups))
+        ]  # fmt: skip
+
+
+def bench_ingest(store: Store, out_dir: Path, n_traj: int, n_turns: int, tokens: int) -> dict:
+    store_s = parquet_s = 0.0
+    n_bytes = n_done = 0
+    for k, groups in enumerate(_batches(n_traj, n_turns, tokens, "g")):
+        t0 = time.perf_counter()
+        store.write_groups(groups)
+        store_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        tables = arrow_io.groups_to_arrow(groups, datetime.now(UTC))
+        for name, table in tables.items():
+            pq.write_table(table, out_dir / f"{name}-{k:04d}.parquet", compression="zstd")
+        parquet_s += time.perf_counter() - t0
+        n_bytes += sum(t.nbytes for t in tables.values())
+        n_done += sum(len(g.episodes) for g in groups)
+    mb = n_bytes / 1e6
+    return {
+        "trajectories": n_done,
+        "store_s": round(store_s, 3),
+        "parquet_s": round(parquet_s, 3),
+        "store_trajectories_per_s": round(n_done / store_s, 1),
+        "store_mb_per_s": round(mb / store_s, 1),
+        "parquet_trajectories_per_s": round(n_done / parquet_s, 1),
+        "parquet_mb_per_s": round(mb / parquet_s, 1),
+        "ingest_vs_parquet_ratio": round(parquet_s / store_s, 3),
+    }
+
+
+def bench_fetch(store: Store, repeats: int) -> dict:
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        batch = store.claim_batch(run_id="run", learner_id=f"L{i}", n_groups=64, max_lag=100)
+        times.append((time.perf_counter() - t0) * 1000)
+        if batch is None:
+            break
+    return {"batch_fetch_ms_p50": round(statistics.median(times), 1), "fetches": len(times)}
+
+
+def bench_read_during_write(store: Store, n_turns: int, tokens: int, seconds: float) -> dict:
+    stop = threading.Event()
+    commits = []
+
+    def write() -> None:
+        for k in range(10_000):
+            if stop.is_set():
+                return
+            groups = [make_group(f"w{k}-{i}", n_turns=n_turns, tokens_per_turn=tokens)
+                      for i in range(16)]  # fmt: skip
+            store.write_groups(groups)
+            commits.append(k)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    latencies = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline or len(latencies) < 5:
+        t0 = time.perf_counter()
+        with store.connect_readonly() as conn:
+            conn.exec_driver_sql("SELECT count(*) FROM episodes").scalar()
+        latencies.append((time.perf_counter() - t0) * 1000)
+        time.sleep(0.02)
+    stop.set()
+    writer.join()
+    return {
+        "read_during_write_ms_p50": round(statistics.median(latencies), 1),
+        "read_during_write_ms_max": round(max(latencies), 1),
+        "reads": len(latencies),
+        "writer_commits": len(commits),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of 10,000 trajectories")
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=500, help="tokens per turn")
+    ap.add_argument("--dir", default=None, help="work dir (default: a temp dir)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as last line")
+    args = ap.parse_args()
+    work = Path(args.dir or tempfile.mkdtemp(prefix="store-bench-"))
+    (work / "parquet").mkdir(parents=True, exist_ok=True)
+    store = Store(f"duckdb:///{work / 'bench.duckdb'}")
+    store.init()
+    store.ensure_run(RunRecord("run", "{}", "bench"))
+    store.register_policy(PolicyRecord("run", 0, "none", None, None))
+    n_traj = max(GROUP_SIZE, int(10_000 * args.scale))
+
+    result = {"scale": args.scale, "turns": args.turns, "tokens_per_turn": args.tokens}
+    result |= bench_ingest(store, work / "parquet", n_traj, args.turns, args.tokens)
+    result |= bench_fetch(store, repeats=5)
+    result |= bench_read_during_write(store, args.turns, args.tokens, seconds=10)
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    if args.json:
+        print(json.dumps(result))
+    store.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Export the store to Parquet for heavy analysis while collection keeps writing.
+
+Layout (Hive partitions, readable by polars / DuckDB / pyarrow datasets)::
+
+    DIR/runs.parquet, DIR/policies.parquet, DIR/tasks.parquet, DIR/learner_steps.parquet
+    DIR/<table>/policy_version=<v>/part-0.parquet   for groups, episodes, turns, tool_calls
+
+``policy_version`` is the group's oldest sampled version (-1 when nothing was sampled).
+Each partition is read in its own short read-only transaction, so a DuckDB writer is never
+kept out for the whole export.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from store import schema
+
+PARTITIONED = ("groups", "episodes", "turns", "tool_calls")
+WHOLE = ("runs", "policies", "tasks", "learner_steps")
+
+
+def export_parquet(store, out_dir: str | Path) -> dict[str, int]:
+    """Write the store under ``out_dir``; returns rows written per table."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, int] = {}
+    for name in WHOLE:
+        with store.connect_readonly() as conn:
+            table = store.backend.fetch_arrow(conn, f'SELECT * FROM "{name}"')
+        pq.write_table(table, out / f"{name}.parquet", compression="zstd")
+        rows[name] = table.num_rows
+    with store.connect_readonly() as conn:
+        versions = [
+            r[0]
+            for r in conn.exec_driver_sql(
+                "SELECT DISTINCT coalesce(min_policy_version, -1) FROM groups ORDER BY 1"
+            )
+        ]
+    for name in PARTITIONED:
+        rows[name] = 0
+        columns = ", ".join(f't."{c.name}"' for c in schema.metadata.tables[name].c)
+        status = ", s.status" if name == "groups" else ""
+        join_states = " JOIN group_states s ON s.group_id = t.group_id" if status else ""
+        for v in versions:
+            sql = (
+                f'SELECT {columns}{status} FROM "{name}" t '
+                f"JOIN groups g ON g.group_id = t.group_id{join_states} "
+                "WHERE coalesce(g.min_policy_version, -1) = ?"
+            )
+            if name == "groups":
+                sql = sql.replace("JOIN groups g ON g.group_id = t.group_id", "").replace(
+                    "coalesce(g.", "coalesce(t."
+                )
+            with store.connect_readonly() as conn:
+                table = store.backend.fetch_arrow(conn, sql, [v])
+            part = out / name / f"policy_version={v}"
+            part.mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, part / "part-0.parquet", compression="zstd")
+            rows[name] += table.num_rows
+    return rows
