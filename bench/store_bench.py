@@ -32,9 +32,9 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from store import Store, arrow_io  # noqa: E402
-from store.records import PolicyRecord, RunRecord  # noqa: E402
-from store.testing import make_group  # noqa: E402
+from store import Store, arrow_io
+from store.records import PolicyRecord, RunRecord
+from store.testing import make_group
 
 GROUP_SIZE = 8
 BATCH_EPISODES = 2000

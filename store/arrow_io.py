@@ -7,6 +7,7 @@ concatenated numpy buffer plus offsets, and read back by flattening the list col
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -217,7 +218,7 @@ def train_episodes(
     token_starts = np.r_[0, np.cumsum(lengths)]
     bounds = np.r_[starts, len(ep_ids)]
     out = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+    for a, b in itertools.pairwise(bounds):
         lo, hi = token_starts[a], token_starts[b]
         reward, valid = episode_meta[ep_ids[a]]
         out.append(

@@ -61,7 +61,9 @@ class DuckDBBackend:
     def read(self) -> Iterator[sa.Connection]:
         """Lock briefly, open read-only, close."""
         if not self.path.exists():
-            raise StoreError(f"no store at {self.path}; run `sandpiper store init --url {self.url}`")
+            raise StoreError(
+                f"no store at {self.path}; run `sandpiper store init --url {self.url}`"
+            )
         with self.lock.hold(write=False), self._ro.connect() as conn:
             yield conn
 
@@ -91,7 +93,9 @@ class DuckDBBackend:
 
     def in_list(self, column: str, values: list[str]) -> tuple[str, list]:
         """A WHERE fragment ``column IN values`` with one list parameter, for fetch_arrow."""
-        return f"{column} IN (SELECT unnest(?))", [list(values)]
+        # One placeholder per value: DuckDB prunes the scan with a constant IN list, which it
+        # does not do for IN (SELECT unnest(?)) (measured ~1.5x faster on a 64-group claim).
+        return f"{column} IN ({', '.join('?' * len(values))})", list(values)
 
     def fetch_arrow(self, conn: sa.Connection, sql: str, params: list | None = None) -> pa.Table:
         raw = conn.connection.dbapi_connection

@@ -111,7 +111,9 @@ def load_episodes(store, conn: sa.Connection, *, episode_ids: list[str]) -> list
 def _episodes(store, conn, *, group_ids=None, episode_ids=None):
     """(group_id, TrainEpisode) pairs ordered by group, sample index."""
     e = T.episodes
-    key_col, keys = ("group_id", group_ids) if group_ids is not None else ("episode_id", episode_ids)
+    key_col, keys = (
+        ("group_id", group_ids) if group_ids is not None else ("episode_id", episode_ids)
+    )
     if not keys:
         return []
     rows = conn.execute(

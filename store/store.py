@@ -288,9 +288,11 @@ class Store:
         from store.claims import load_episodes
 
         e = T.episodes
-        q = sa.select(e.c.episode_id).where(
-            e.c.valid, e.c.trainable, e.c.reward >= min_reward
-        ).order_by(e.c.started_at, e.c.episode_id)
+        q = (
+            sa.select(e.c.episode_id)
+            .where(e.c.valid, e.c.trainable, e.c.reward >= min_reward)
+            .order_by(e.c.started_at, e.c.episode_id)
+        )
         if run_id is not None:
             q = q.where(e.c.run_id == run_id)
         if limit is not None:

@@ -7,7 +7,7 @@
   workspace, /tmp and /dev/shm wiped, the shell state reset) and puts it back; a broken or
   dead sandbox, or one whose reset fails, is removed and replaced.
 - Containers carry the labels given to the pool (e.g. ``sandpiper.run``) plus
-  ``sandpiper.collector=<hostname:pid>``; the current episode and task of each container are
+  ``sandpiper.collector=<hostname:pid>`` and ``sandpiper.pool=<id>``; the current episode and task of each container are
   kept in a small host-side registry file (podman labels are immutable), which
   ``sandpiper sandbox ls`` shows. ``sandpiper sandbox gc`` removes containers whose
   collector process is gone.
@@ -19,6 +19,9 @@ Usage::
     async with pool.session(episode_id=e, task_id=t) as box:
         await box.exec("ls")
     await pool.close()
+
+One pool serves one image (``config.image``); a task image built with
+:func:`collector.sandbox.image.extend_image` gets its own pool.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import json
 import logging
 import os
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
@@ -49,7 +53,11 @@ class SandboxPool:
 
     def __init__(self, config: SandboxConfig, *, labels: Mapping[str, str]) -> None:
         self.config = config
-        self.labels = {**labels, "sandpiper.collector": collector_id()}
+        self.labels = {
+            **labels,
+            "sandpiper.collector": collector_id(),
+            "sandpiper.pool": uuid.uuid4().hex[:12],
+        }
         self._idle: asyncio.Queue[PodmanSandbox | BaseException] = asyncio.Queue()
         self._total = 0
         self._starts = asyncio.Semaphore(config.max_concurrent_starts)
@@ -182,10 +190,10 @@ class SandboxPool:
                 boxes.append(item)
         self._in_use.clear()
         await asyncio.gather(*(self._discard(b) for b in boxes), return_exceptions=True)
-        # a start cancelled mid-way may have left a container: remove by our collector label
+        # a start cancelled mid-way may have left a container: remove by this pool's label
         from collector.sandbox.janitor import remove_containers
 
-        await remove_containers({"sandpiper.collector": self.labels["sandpiper.collector"]})
+        await remove_containers({"sandpiper.pool": self.labels["sandpiper.pool"]})
 
 
 def _write_registry(name: str, *, episode_id: str | None, task_id: str | None) -> None:

@@ -46,7 +46,9 @@ def store(store_url, tmp_path):
 
 
 def _write(store, groups, tmp_path):
-    with store.writer(spool_dir=str(tmp_path / f"spool-{uuid.uuid4().hex}"), flush_interval_s=0.1) as w:
+    with store.writer(
+        spool_dir=str(tmp_path / f"spool-{uuid.uuid4().hex}"), flush_interval_s=0.1
+    ) as w:
         for g in groups:
             w.put(g)
 
@@ -139,7 +141,12 @@ def test_concurrent_learners_never_share_a_group(store_url, store, tmp_path):
     def learner(name: str) -> None:
         own = Store(store_url, lock_timeout_s=30)
         ids: list[str] = []
-        while (b := own.claim_batch(run_id="run", learner_id=name, n_groups=2, max_lag=5)) is not None:
+        # a new learner_id per claim: a learner re-claiming under its own id re-takes its claim
+        while (
+            b := own.claim_batch(
+                run_id="run", learner_id=f"{name}-{len(ids)}", n_groups=2, max_lag=5
+            )
+        ) is not None:
             ids.extend(b.group_ids)
         claimed[name] = ids
         own.close()

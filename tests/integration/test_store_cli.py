@@ -35,9 +35,7 @@ def test_init_stats_migrate_export(tmp_path):
     assert out.returncode == 1 and "store init" in out.stderr
     assert _cli("init", "--url", url).returncode == 0
     assert "up to date" in _cli("migrate", "--url", url).stdout
-    Store(url).write_groups(
-        [make_group("a", policy_version=0), make_group("b", policy_version=2)]
-    )
+    Store(url).write_groups([make_group("a", policy_version=0), make_group("b", policy_version=2)])
     stats = json.loads(_cli("stats", "--url", url).stdout)
     assert stats["rows"]["groups"] == 2 and stats["groups_by_status"] == {"ready": 2}
     out = _cli("export", "--url", url, "--parquet", str(tmp_path / "pq"))

@@ -31,9 +31,11 @@ def test_timeout_names_the_holding_process(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         lock = DuckDBFileLock(db, timeout_s=0.3)
         start = time.monotonic()
-        with pytest.raises(StoreLockTimeout, match=rf"pid {holder.pid} \(write\)") as err:
-            with lock.hold(write=False):
-                pass
+        with (
+            pytest.raises(StoreLockTimeout, match=rf"pid {holder.pid} \(write\)") as err,
+            lock.hold(write=False),
+        ):
+            pass
         assert 0.25 < time.monotonic() - start < 5
         assert isinstance(err.value, TimeoutError)
     finally:

@@ -100,5 +100,3 @@ def test_schema_version_messages_say_what_to_run():
         migrations.check(0, "duckdb:///x")
     with pytest.raises(SchemaVersionError, match="upgrade sandpiper"):
         migrations.check(latest + 1, "duckdb:///x")
-
-
