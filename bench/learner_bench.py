@@ -159,6 +159,7 @@ def main() -> None:
                 start = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - start)
+            print(f"step_s sandpiper={t_ours[-1]:.3f} trl={t_trl[-1]:.3f}", file=sys.stderr)
     ours_s, trl_s = statistics.median(t_ours), statistics.median(t_trl)
     result = {
         "sequences": len(batch),

@@ -40,7 +40,8 @@ class StoreConfig(_Part):
     flush_max_episodes: int = 2000
     """... or as soon as this many episodes are buffered."""
     spool_dir: str | None = None
-    """Durable spool for acknowledged-but-uncommitted groups; None = ``<store file>.spool``."""
+    """Durable spool for acknowledged-but-uncommitted groups; None = ``<store file>.spool``
+    (DuckDB) or ``~/.cache/sandpiper/spool/<hash of url>`` (PostgreSQL). One writer per dir."""
 
 
 class SandboxConfig(_Part):

@@ -25,7 +25,7 @@ MIN_VALID_FOR_ADVANTAGE = 2
 """A train group with fewer valid episodes than this cannot have an advantage: ``invalid``."""
 
 
-def _list_array(arrays: Sequence[np.ndarray | None], dtype: np.dtype, pa_type) -> pa.Array:
+def _list_array(arrays: Sequence[np.ndarray | None], dtype: Any, pa_type: pa.DataType) -> pa.Array:
     """A ListArray from per-row numpy arrays (None → null row) without Python lists."""
     lengths = np.fromiter((0 if a is None else len(a) for a in arrays), np.int32, len(arrays))
     offsets = np.zeros(len(arrays) + 1, np.int32)

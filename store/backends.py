@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -25,6 +26,11 @@ from store.locking import DuckDBFileLock
 
 _DUCKDB_CONFIG = {"autoinstall_known_extensions": False}
 """Only bundled extensions exist offline; never try to download one."""
+
+
+def _raw(conn: sa.Connection) -> Any:
+    """The driver's own connection (duckdb / psycopg), for Arrow registration and COPY."""
+    return conn.connection.dbapi_connection
 
 
 def _keep_new(tables: dict[str, pa.Table], new_ids: pa.Array) -> dict[str, pa.Table]:
@@ -69,7 +75,7 @@ class DuckDBBackend:
 
     def insert_new(self, conn: sa.Connection, tables: dict[str, pa.Table]) -> int:
         """Insert the groups not stored yet (all their rows); returns how many."""
-        raw = conn.connection.dbapi_connection
+        raw = _raw(conn)
         raw.register("_in_groups_ids", tables["groups"].select(["group_id"]))
         try:
             new = raw.sql(
@@ -98,7 +104,7 @@ class DuckDBBackend:
         return f"{column} IN ({', '.join('?' * len(values))})", list(values)
 
     def fetch_arrow(self, conn: sa.Connection, sql: str, params: list | None = None) -> pa.Table:
-        raw = conn.connection.dbapi_connection
+        raw = _raw(conn)
         return raw.sql(sql, params=params or None).to_arrow_table()
 
     def dispose(self) -> None:
@@ -139,7 +145,7 @@ class PostgresBackend:
 
     def _copy(self, conn: sa.Connection, name: str, table: pa.Table) -> None:
         cols = ", ".join(f'"{c}"' for c in table.column_names)
-        cursor = conn.connection.dbapi_connection.cursor()
+        cursor = _raw(conn).cursor()
         with cursor.copy(f'COPY "{name}" ({cols}) FROM STDIN') as copy:
             for batch in table.to_batches(max_chunksize=4096):
                 for row in zip(*(c.to_pylist() for c in batch.columns), strict=True):
@@ -169,9 +175,9 @@ class PostgresBackend:
     def fetch_arrow(self, conn: sa.Connection, sql: str, params: list | None = None) -> pa.Table:
         """Rows → Arrow in the columns' declared types (psycopg has no Arrow fetch)."""
         sql = sql.replace("?", "%s")  # one placeholder style for both backends' SQL
-        cursor = conn.connection.dbapi_connection.cursor()
+        cursor = _raw(conn).cursor()
         cursor.execute(sql, params or [])
-        names = [d.name for d in cursor.description]
+        names = [d[0] for d in cursor.description]
         rows = cursor.fetchall()
         return pa.table({n: [r[i] for r in rows] for i, n in enumerate(names)})
 

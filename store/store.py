@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from sandpiper.errors import StoreError
 from store import arrow_io, migrations, schema
-from store.backends import make_backend
+from store.backends import DuckDBBackend, make_backend
 from store.records import (
     GroupRecord,
     GroupStatus,
@@ -227,9 +227,14 @@ class Store:
         )
 
     def default_spool_dir(self) -> str:
-        if self.is_duckdb:
+        """``<db file>.spool`` for DuckDB; a per-URL folder in ~/.cache for PostgreSQL."""
+        if isinstance(self.backend, DuckDBBackend):
             return str(self.backend.path) + ".spool"
-        raise StoreError("a PostgreSQL store needs an explicit spool_dir (store.spool_dir)")
+        import hashlib
+        from pathlib import Path
+
+        key = hashlib.sha1(self.url.encode()).hexdigest()[:12]
+        return str(Path.home() / ".cache" / "sandpiper" / "spool" / key)
 
     def write_groups(self, groups: list[GroupRecord]) -> int:
         """Commit whole groups in one transaction (Arrow bulk insert); returns new groups."""
@@ -328,7 +333,7 @@ class Store:
             gs = T.group_states
             counts = conn.execute(sa.select(gs.c.status, sa.func.count()).group_by(gs.c.status))
             out["groups_by_status"] = {s: int(n) for s, n in counts}
-        if self.is_duckdb:
+        if isinstance(self.backend, DuckDBBackend):
             out["file_bytes"] = self.backend.path.stat().st_size
         return out
 

@@ -107,3 +107,40 @@ def test_kill_9_writer_loses_nothing_acknowledged(tmp_path):
         for table, sql in orphans.items():
             assert q(sql)[0][0] == 0, f"orphan rows in {table}"
     store.close()
+
+
+HOLD_LOCK = """
+import sys, time
+from store.locking import DuckDBFileLock
+with DuckDBFileLock(sys.argv[1], timeout_s=30).hold(write=True):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_put_is_acknowledged_while_another_process_holds_the_lock(tmp_path):
+    from store.testing import make_group
+
+    db = tmp_path / "s.duckdb"
+    store = Store(f"duckdb:///{db}", lock_timeout_s=30)
+    store.init()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(db), "3"], stdout=subprocess.PIPE, text=True,
+        cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with store.writer(spool_dir=str(tmp_path / "spool"), flush_interval_s=0.05) as w:
+            start = time.monotonic()
+            for i in range(3):
+                w.put(make_group(f"g{i}"))
+            assert time.monotonic() - start < 1.5  # acknowledged without the store lock
+            assert w.pending() == 3
+            assert len(list((tmp_path / "spool").glob("*.group"))) == 3
+            w.flush(timeout_s=60)
+        assert store.stats()["rows"]["groups"] == 3
+        assert not list((tmp_path / "spool").glob("*.group"))
+    finally:
+        holder.kill()
+        holder.wait()
+    store.close()
