@@ -106,13 +106,24 @@ def sandpiper_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "sandpiper.cli", *args]
 
 
+def process_env() -> dict[str, str]:
+    """Environment of the demo's processes: one torch thread each.
+
+    Collector, vLLM and learner share a small machine; measured on the 2-core CI machine, a
+    learner forward/backward took ~1.6 s with one thread and 6-10 s with two threads while
+    the other processes ran (OpenMP threads spin against each other)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
 def run_sft(config: RunConfig, log_path: Path) -> str:
     """``sandpiper learn --algo sft`` in its own process; returns the new checkpoint."""
     from store import Store
 
     path = write_resolved(config)
     with log_path.open("ab") as log:
-        done = subprocess.run(sandpiper_cmd("learn", "-c", str(path)), stdout=log, stderr=log)
+        done = subprocess.run(
+            sandpiper_cmd("learn", "-c", str(path)), stdout=log, stderr=log, env=process_env()
+        )
     if done.returncode != 0:
         raise SandpiperError(f"SFT failed (exit {done.returncode}); see {log_path}")
     latest = Store(config.store.url).latest_policy(config.name)
@@ -125,14 +136,16 @@ def reward_table(store_url: str, run_id: str) -> Any:
     """Reward by policy version as a polars DataFrame (empty until episodes exist)."""
     from analysis import api
 
-    return api.reward_by_version(store_url, run_id=run_id)
+    columns = ["policy_version", "n_episodes", "n_valid", "reward_mean", "pass_rate"]
+    frame = api.reward_by_version(store_url, run_id=run_id)
+    return frame.select(columns).sort("policy_version") if len(frame) else frame.select(columns)
 
 
 def run_grpo(config: RunConfig, *, minutes: float, on_tick: Any) -> None:
     """Start collector and learner side by side; stop when the learner is done or time is up."""
     path = write_resolved(config)
     logs = config.run_dir
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = process_env()
     procs: dict[str, subprocess.Popen[bytes]] = {}
     files = []
     try:
