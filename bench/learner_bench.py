@@ -40,7 +40,8 @@ def make_batch(rng: np.random.Generator, *, groups: int, group_size: int, vocab:
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
         for a in adv:
             completion = rng.integers(10, vocab, rng.integers(8, 384)).astype(np.int32)
-            behav = (-rng.random(len(completion)) * 4).astype(np.float32)
+            # Near the random tiny model's own logprobs (~ -log V), as a sampler's would be.
+            behav = (-np.log(vocab) + rng.normal(0, 0.05, len(completion))).astype(np.float32)
             batch.append((prompt, completion, behav, float(a)))
     return batch
 

@@ -124,8 +124,7 @@ def _episodes(store, conn, *, group_ids=None, episode_ids=None):
     where, params = store.backend.in_list(key_col, keys)
     turns = store.backend.fetch_arrow(
         conn,
-        f"SELECT {', '.join(arrow_io.TRAIN_TURN_COLUMNS)} FROM turns WHERE {where} "
-        "ORDER BY episode_id, turn_index",
+        f"SELECT {', '.join(arrow_io.TRAIN_TURN_COLUMNS)} FROM turns WHERE {where}",
         params,
     )
     meta = {r.episode_id: (r.reward, bool(r.valid)) for r in rows}
