@@ -33,16 +33,17 @@ from typing import Any
 PASS_REWARD = 1.0
 """Reward at or above which a valid episode counts as passed (rewards are in [0, 1])."""
 
-IMPORTANCE_METRICS = (
-    "is_weight_mean",
-    "is_weight_min",
-    "is_weight_max",
-    "ess",
-    "clipped_frac",
-    "masked_frac",
-    "kl_sampler_learner",
-)
-"""Keys of ``learner_steps.metrics`` that ``importance_weights`` exposes as columns."""
+IMPORTANCE_METRICS = {
+    "is_weight_mean": "is/w_mean",
+    "is_weight_min": "is/w_min",
+    "is_weight_max": "is/w_max",
+    "ess": "is/ess",
+    "clipped_frac": "loss/clipped_frac",
+    "masked_frac": "is/masked_frac",
+    "kl_sampler_learner": "kl/sampler_vs_learner",
+}
+"""Column of the ``importance_weights`` view -> key of ``learner_steps.metrics`` that the
+learner writes (``trainer.loss.LossStats.summary``; a test holds the two together)."""
 
 SUPPORTED_DIALECTS = ("duckdb", "postgresql")
 
@@ -64,7 +65,8 @@ def _float(expr: str) -> str:
 def _view_sql(dialect: str) -> dict[str, str]:
     passed = f"(e.valid AND e.reward >= {PASS_REWARD})"
     importance_cols = ",\n    ".join(
-        f"{_json_float('ls.metrics', key, dialect)} AS {key}" for key in IMPORTANCE_METRICS
+        f"{_json_float('ls.metrics', key, dialect)} AS {column}"
+        for column, key in IMPORTANCE_METRICS.items()
     )
     return {
         "group_status": """
@@ -226,7 +228,7 @@ VIEW_DOCS: dict[str, str] = {
 VIEW_NAMES: tuple[str, ...] = tuple(VIEW_DOCS)
 """All views in creation order (later views read earlier ones)."""
 
-VIEWS_VERSION = 1
+VIEWS_VERSION = 2
 """Bump whenever a view's SQL changes: readers re-create views whose marker differs."""
 
 MARKER_VIEW = "analysis_views_version"

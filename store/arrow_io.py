@@ -193,27 +193,46 @@ TRAIN_TURN_COLUMNS = (
 
 
 def sort_turns(turns: pa.Table) -> pa.Table:
-    """``turns`` ordered by (episode_id, turn_index); a no-op copy-free path when already so.
+    """``turns`` ordered by (episode_id, turn_index), copying token lists only as a last resort.
 
-    Sorting here instead of ``ORDER BY`` in SQL: the database would sort the wide token-list
-    payload (~40 ms of a 64-group claim), while rows usually arrive in insertion order,
-    which already is episode/turn order (groups are inserted whole, turns in order).
+    Not ``ORDER BY`` in SQL: the database would sort the wide token-list payload (~40 ms of a
+    64-group claim). DuckDB returns a filtered scan as record batches that are each in
+    insertion order (= episode/turn order: groups are inserted whole, turns in order) but
+    may come in a rotated order (parallel scan); reordering whole batches is zero-copy.
     """
+    batches = [b for b in turns.to_batches() if b.num_rows]
+    batches.sort(key=lambda b: (b["episode_id"][0].as_py(), b["turn_index"][0].as_py()))
+    turns = pa.Table.from_batches(batches, schema=turns.schema)
+    if _is_sorted(turns):
+        return turns
     order = pc.sort_indices(
         turns.select(["episode_id", "turn_index"]),
         sort_keys=[("episode_id", "ascending"), ("turn_index", "ascending")],
-    ).to_numpy()
-    if np.array_equal(order, np.arange(len(order))):
-        return turns
-    return turns.take(pa.array(order))
+    )
+    return turns.take(order)
 
 
-def _flat(col: pa.ChunkedArray, dtype) -> np.ndarray:
-    """Values of a list column (null rows contribute nothing) as one numpy array."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    if isinstance(arr, pa.ChunkedArray):  # combine_chunks of a list column may stay chunked
-        arr = pa.concat_arrays(arr.chunks) if arr.num_chunks else pa.array([], arr.type)
-    return arr.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+def _is_sorted(turns: pa.Table) -> bool:
+    episode = turns["episode_id"].to_numpy(zero_copy_only=False)
+    turn = turns["turn_index"].to_numpy(zero_copy_only=False)
+    same = episode[1:] == episode[:-1]
+    return bool(np.all((episode[1:] > episode[:-1]) | (same & (turn[1:] > turn[:-1]))))
+
+
+def _flat(col: pa.ChunkedArray | pa.Array, dtype) -> np.ndarray:
+    """Values of a list column (null rows contribute nothing) as one numpy array (one copy)."""
+    values = pc.list_flatten(col)
+    if isinstance(values, pa.ChunkedArray) and values.num_chunks == 0:
+        return np.zeros(0, dtype)
+    return values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+
+def _sampled_values(turns: pa.Table, name: str, trainable: np.ndarray, dtype) -> np.ndarray:
+    """Values of list column ``name`` over the trainable rows, in row order."""
+    present = pc.is_valid(turns[name]).to_numpy(zero_copy_only=False)
+    if not np.array_equal(present, trainable):  # arrays on non-trainable rows: leave them out
+        return _flat(turns.filter(pa.array(trainable))[name], dtype)
+    return _flat(turns[name], dtype)
 
 
 def train_episodes(
@@ -231,11 +250,10 @@ def train_episodes(
     trainable = turns["trainable"].to_numpy(zero_copy_only=False).astype(bool)
     turn_of_token = np.repeat(np.arange(turns.num_rows), lengths)
     mask = trainable[turn_of_token]
-    sampled = turns.filter(pa.array(trainable))
     logprobs = np.full(len(tokens), np.nan, np.float32)
     versions = np.full(len(tokens), -1, np.int32)
-    logprobs[mask] = _flat(sampled["logprobs"], np.float32)
-    versions[mask] = _flat(sampled["policy_versions"], np.int32)
+    logprobs[mask] = _sampled_values(turns, "logprobs", trainable, np.float32)
+    versions[mask] = _sampled_values(turns, "policy_versions", trainable, np.int32)
 
     ep_ids = turns["episode_id"].to_numpy(zero_copy_only=False)
     starts = np.flatnonzero(np.r_[True, ep_ids[1:] != ep_ids[:-1]])

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from analysis import api
-from analysis.views import VIEW_NAMES
+from analysis.views import IMPORTANCE_METRICS, VIEW_NAMES
 from store.records import ToolErrorKind
 
 pytestmark = pytest.mark.integration
@@ -115,9 +115,8 @@ def test_importance_weights(analysis_store_url: str, analysis_run) -> None:
     df = api.importance_weights(analysis_store_url)
     assert df["step"].to_list() == [s.policy.learner_step for s in analysis_run.steps]
     for row, step in zip(df.iter_rows(named=True), analysis_run.steps, strict=True):
-        for key in ("is_weight_mean", "is_weight_min", "is_weight_max", "ess", "clipped_frac",
-                    "masked_frac", "kl_sampler_learner"):  # fmt: skip
-            assert row[key] == pytest.approx(step.metrics[key]), key
+        for column, key in IMPORTANCE_METRICS.items():
+            assert row[column] == pytest.approx(step.metrics[key]), column
 
 
 def test_group_reward_variance(analysis_store_url: str, analysis_run) -> None:

@@ -80,6 +80,43 @@ def test_turn_arrays_roundtrip_through_arrow():
     np.testing.assert_array_equal(ep.policy_versions_T, np.where(ep.loss_mask_T, 3, -1))
 
 
+def _train_arrays(episodes) -> dict[str, tuple]:
+    return {
+        e.episode_id: (e.token_ids_T, e.loss_mask_T, e.behaviour_logprobs_T, e.policy_versions_T)
+        for e in episodes
+    }
+
+
+def test_turn_rows_in_any_order_give_the_same_episodes():
+    """The reader fetches turns without ORDER BY: chunks and rows may come in any order."""
+    groups = [make_group(f"g{i}", n_turns=5, tokens_per_turn=6, policy_version=i) for i in (1, 2)]
+    turns = arrow_io.groups_to_arrow(groups, datetime.now(UTC))["turns"]
+    turns = turns.select(list(arrow_io.TRAIN_TURN_COLUMNS))
+    meta = {e.episode_id: (e.reward, e.valid) for g in groups for e in g.episodes}
+    want = _train_arrays(arrow_io.train_episodes(turns, meta))
+    rotated = pa.Table.from_batches(turns.to_batches(max_chunksize=7)[::-1])  # batch order only
+    shuffled = turns.take(np.random.default_rng(0).permutation(turns.num_rows))
+    for table in (rotated, shuffled):
+        got = _train_arrays(arrow_io.train_episodes(table, meta))
+        assert list(got) == sorted(want)
+        for episode_id, arrays in want.items():
+            for a, b in zip(arrays, got[episode_id], strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_logprobs_on_a_non_trainable_turn_stay_out_of_the_arrays():
+    group = make_group("g", n_turns=3, tokens_per_turn=4, policy_version=5)
+    prompt = group.episodes[0].turns[0]
+    object.__setattr__(prompt, "logprobs_T", np.zeros(4, np.float32))
+    object.__setattr__(prompt, "policy_versions_T", np.full(4, 9, np.int32))
+    turns = arrow_io.groups_to_arrow([group], datetime.now(UTC))["turns"]
+    meta = {e.episode_id: (e.reward, e.valid) for e in group.episodes}
+    ep = arrow_io.train_episodes(turns.select(list(arrow_io.TRAIN_TURN_COLUMNS)), meta)[0]
+    np.testing.assert_array_equal(ep.loss_mask_T, np.repeat([False, True, False], 4))
+    np.testing.assert_array_equal(ep.policy_versions_T, np.repeat([-1, 5, -1], 4))
+    assert np.isnan(ep.behaviour_logprobs_T[:4]).all()
+
+
 def test_group_with_too_few_valid_episodes_is_invalid():
     assert arrow_io.group_status(make_group("g", n_episodes=2, n_invalid=1)) == GroupStatus.INVALID
     assert arrow_io.group_status(make_group("g", n_episodes=3, n_invalid=1)) == GroupStatus.READY
