@@ -63,8 +63,11 @@ def _answer(op: str, numbers: list[int]) -> str:
         for x in numbers:
             value *= x
         return str(value)
-    fn = {"sum": sum, "max": max, "min": min, "median": statistics.median}[op]
-    return str(fn(numbers))
+    if op == "median":
+        return str(statistics.median(numbers))
+    if op == "sum":
+        return str(sum(numbers))
+    return str(max(numbers) if op == "max" else min(numbers))
 
 
 def instruction(op: str) -> str:

@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sandpiper.errors import ConfigError
 
+ToolName = Literal["execute_bash", "str_replace_editor", "submit"]
+
 
 class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -113,8 +115,8 @@ class CollectorConfig(_Part):
 
     tasks: str = "tasks/demo.jsonl"
     """A JSONL file of tasks or a folder of task folders."""
-    tools: list[Literal["execute_bash", "str_replace_editor", "submit"]] = Field(
-        default_factory=lambda: ["execute_bash", "str_replace_editor", "submit"]
+    tools: list[ToolName] = Field(
+        default_factory=lambda: list[ToolName](["execute_bash", "str_replace_editor", "submit"])
     )
     """Tools offered to the agent (rendered into the prompt); calls to others are errors."""
     system_prompt: str | None = None

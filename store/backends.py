@@ -24,7 +24,7 @@ from sandpiper.errors import StoreError
 from store import schema
 from store.locking import DuckDBFileLock
 
-_DUCKDB_CONFIG = {"autoinstall_known_extensions": False}
+_DUCKDB_CONFIG: dict[str, Any] = {"autoinstall_known_extensions": False}
 """Only bundled extensions exist offline; never try to download one."""
 
 ROW_GROUP_ROWS = 8_192

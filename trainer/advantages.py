@@ -76,7 +76,7 @@ def batch_advantages(
         rewards = [e.reward for e in group.episodes]
         valid = [e.valid and e.reward is not None for e in group.episodes]
         invalid += valid.count(False)
-        all_rewards.extend(r for r, ok in zip(rewards, valid, strict=True) if ok)
+        all_rewards.extend(r for r, ok in zip(rewards, valid, strict=True) if ok and r is not None)
         adv = group_advantages(rewards, valid, mode=mode, eps=eps)
         if adv is None:
             if sum(valid) < 2:

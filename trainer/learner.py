@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from sandpiper.config import RunConfig
 from sandpiper.errors import LearnerError
-from store.records import PolicyRecord, TrainBatch
+from store.records import PolicyRecord, TrainBatch, TrainEpisode
 from trainer.advantages import batch_advantages
 from trainer.checkpoint import load_model, load_tokenizer, save_checkpoint
 from trainer.engine import World, build_engine, full_state_dict
@@ -49,6 +49,10 @@ class LearnerStore(Protocol):
     ) -> TrainBatch | None: ...
 
     def release_claim(self, claim_id: str) -> None: ...
+
+    def sft_episodes(
+        self, *, run_id: str | None, min_reward: float, limit: int | None = None
+    ) -> list[TrainEpisode]: ...
 
     def register_policy(
         self, policy: PolicyRecord, *, claim_id: str | None = None, metrics: dict | None = None

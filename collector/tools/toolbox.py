@@ -91,6 +91,7 @@ class Toolbox:
         problem = self._check_arguments(name, arguments)
         if problem is not None:
             return problem
+        assert isinstance(arguments, dict)  # _check_arguments returned an error otherwise
         try:
             if name == "execute_bash":
                 return await self._bash(arguments)
