@@ -148,6 +148,9 @@ def run_grpo(config: RunConfig, *, minutes: float, on_tick: Any) -> None:
     env = process_env()
     procs: dict[str, subprocess.Popen[bytes]] = {}
     files = []
+    # The children run in their own sessions (so a terminal Ctrl-C reaches only us): turn a
+    # SIGTERM into SystemExit so that the finally below drains and stops them.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         for name, args in (
             ("collector", ("collect", "-c", str(path))),
@@ -172,8 +175,13 @@ def run_grpo(config: RunConfig, *, minutes: float, on_tick: Any) -> None:
             _stop(procs.get(name))
         for log in files:
             log.close()
+        signal.signal(signal.SIGTERM, previous)
     if procs["learner"].returncode not in (0, -signal.SIGTERM):
         raise SandpiperError(f"the learner failed; see {logs / 'learner.log'}")
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, grace_s: float = 90.0) -> None:
