@@ -108,7 +108,8 @@ def importance_weights(df: pl.DataFrame) -> Figure:
     fig = Figure(figsize=(FIG_SIZE[0], FIG_SIZE[1] * 1.4), dpi=100, layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
     # SFT steps have no importance weights; other metrics may be absent on old runs (NaN)
-    df = df.drop_nulls("is_weight_mean").fill_null(float("nan"))
+    if "is_weight_mean" in df.columns:
+        df = df.drop_nulls("is_weight_mean").fill_null(float("nan"))
     if df.is_empty():
         _no_data(top, "Importance weights per learner step")
         bottom.set_axis_off()

@@ -203,20 +203,14 @@ def sort_turns(turns: pa.Table) -> pa.Table:
     batches = [b for b in turns.to_batches() if b.num_rows]
     batches.sort(key=lambda b: (b["episode_id"][0].as_py(), b["turn_index"][0].as_py()))
     turns = pa.Table.from_batches(batches, schema=turns.schema)
-    if _is_sorted(turns):
-        return turns
+    # Arrow's sort, not numpy: numpy would turn the ids into Python objects (and import pandas).
     order = pc.sort_indices(
         turns.select(["episode_id", "turn_index"]),
         sort_keys=[("episode_id", "ascending"), ("turn_index", "ascending")],
-    )
-    return turns.take(order)
-
-
-def _is_sorted(turns: pa.Table) -> bool:
-    episode = turns["episode_id"].to_numpy(zero_copy_only=False)
-    turn = turns["turn_index"].to_numpy(zero_copy_only=False)
-    same = episode[1:] == episode[:-1]
-    return bool(np.all((episode[1:] > episode[:-1]) | (same & (turn[1:] > turn[:-1]))))
+    ).to_numpy()
+    if np.array_equal(order, np.arange(len(order))):
+        return turns
+    return turns.take(pa.array(order))
 
 
 def _flat(col: pa.ChunkedArray | pa.Array, dtype) -> np.ndarray:
@@ -255,17 +249,19 @@ def train_episodes(
     logprobs[mask] = _sampled_values(turns, "logprobs", trainable, np.float32)
     versions[mask] = _sampled_values(turns, "policy_versions", trainable, np.int32)
 
-    ep_ids = turns["episode_id"].to_numpy(zero_copy_only=False)
-    starts = np.flatnonzero(np.r_[True, ep_ids[1:] != ep_ids[:-1]])
+    episode_col, n_rows = turns["episode_id"], turns.num_rows
+    changed = pc.not_equal(episode_col.slice(1), episode_col.slice(0, n_rows - 1))
+    starts = np.flatnonzero(np.r_[True, changed.to_numpy(zero_copy_only=False)])
+    episode_ids = episode_col.take(pa.array(starts)).to_pylist()
     token_starts = np.r_[0, np.cumsum(lengths)]
-    bounds = np.r_[starts, len(ep_ids)]
+    bounds = np.r_[starts, n_rows]
     out = []
-    for a, b in itertools.pairwise(bounds):
+    for episode_id, (a, b) in zip(episode_ids, itertools.pairwise(bounds), strict=True):
         lo, hi = token_starts[a], token_starts[b]
-        reward, valid = episode_meta[ep_ids[a]]
+        reward, valid = episode_meta[episode_id]
         out.append(
             TrainEpisode(
-                episode_id=str(ep_ids[a]),
+                episode_id=episode_id,
                 reward=reward,
                 valid=valid,
                 token_ids_T=tokens[lo:hi],

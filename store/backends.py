@@ -1,8 +1,9 @@
 """What differs between the two store backends: opening connections and bulk Arrow I/O.
 
 - :class:`DuckDBBackend`: one file; every transaction takes the cross-process lock, opens
-  the file (read-write or read-only), runs, closes. Bulk inserts register Arrow tables and
-  ``INSERT … SELECT`` from them; reads fetch Arrow directly.
+  the file (read-write: attached with small row groups, see ``ROW_GROUP_ROWS``; or
+  read-only), runs, closes. Bulk inserts register Arrow tables and ``INSERT … SELECT``
+  from them; reads fetch Arrow directly.
 - :class:`PostgresBackend`: a pooled engine; bulk inserts stream rows with ``COPY``; claims
   use ``FOR UPDATE SKIP LOCKED`` so that concurrent learners never take the same group.
 

@@ -70,8 +70,8 @@ def test_every_view_has_a_statement_and_a_doc(dialect: str) -> None:
 def test_json_access_is_per_dialect() -> None:
     duck = "\n".join(view_statements("duckdb"))
     pg = "\n".join(view_statements("postgresql"))
-    assert "TRY_CAST(ls.metrics ->> 'ess' AS DOUBLE)" in duck
-    assert "CAST(ls.metrics ->> 'ess' AS DOUBLE PRECISION)" in pg
+    assert "TRY_CAST(ls.metrics ->> 'is/ess' AS DOUBLE)" in duck
+    assert "CAST(ls.metrics ->> 'is/ess' AS DOUBLE PRECISION)" in pg
     assert "TRY_CAST" not in pg
 
 
