@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 class Pool(Protocol):
-    async def acquire(self, *, episode_id: str, task_id: str) -> Any: ...
+    async def acquire(self, *, episode_id: str, task_id: str, image: str | None = None) -> Any: ...
 
     async def release(self, sandbox: Any, *, broken: bool = False) -> None: ...
 
@@ -287,7 +287,9 @@ class Collector:
         episode_id = uuid.uuid4().hex
         started = utcnow()
         try:
-            sandbox = await self.pool.acquire(episode_id=episode_id, task_id=task.task_id)
+            sandbox = await self.pool.acquire(
+                episode_id=episode_id, task_id=task.task_id, image=task.image
+            )
         except SandboxError as e:
             return _infra_episode(episode_id, index, started, f"no sandbox: {e}")
         broken = True

@@ -89,7 +89,7 @@ async def collect(
     from collector.journal import SeqJournal
     from collector.render import ChatRenderer
     from collector.sandbox import janitor
-    from collector.sandbox.pool import SandboxPool
+    from collector.sandbox.images import ImagePools
     from collector.status import StatusReporter
     from collector.tasks import load_tasks
     from collector.tools import TOOL_SCHEMAS
@@ -129,7 +129,7 @@ async def collect(
             latest = await asyncio.to_thread(store.latest_policy, config.name)
             weights = latest.checkpoint_uri if latest else config.learner.model
             await inner.reload(weights, latest.version if latest else 0)
-        pool = SandboxPool(config.sandbox, labels={"sandpiper.run": config.name})
+        pool = ImagePools(config.sandbox, labels={"sandpiper.run": config.name})
         await pool.start()
         stack.push_async_callback(pool.close)
         writer = store.writer(

@@ -186,3 +186,12 @@ def test_no_train_tasks_is_an_error(tiny_tokenizer, tmp_path):
     collector, *_ = _collector(tiny_tokenizer, tmp_path, _config(), tasks=val)
     with pytest.raises(Exception, match="no train tasks"):
         asyncio.run(_run(collector))
+
+
+def test_episodes_run_in_the_image_their_task_names(tiny_tokenizer, tmp_path):
+    from dataclasses import replace
+
+    tasks = [TASKS[0], replace(TASKS[1], image="localhost/task-image:1")]
+    collector, _, _, _ = _collector(tiny_tokenizer, tmp_path, _config(max_groups=2), tasks=tasks)
+    asyncio.run(_run(collector))
+    assert sorted(collector.pool.images, key=str) == [None, None] + ["localhost/task-image:1"] * 2
