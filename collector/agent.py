@@ -272,7 +272,7 @@ async def _run_tools(
                 result = ToolResult(output=str(e), error_kind=ToolErrorKind.SANDBOX_DIED)
         else:
             result = ToolResult(output=call.error or "Error", error_kind=call.error_kind)
-        records.append(_tool_record(index, call, result))
+        records.append(tool_record(index, call, result))
         messages.append({"role": "tool", "name": call.name, "content": result.output})
         if result.error_kind is ToolErrorKind.SANDBOX_DIED:
             # The sampled turn and this call are still stored (by the caller) before stopping.
@@ -303,7 +303,7 @@ def _quote(path: str) -> str:
     return shlex.quote(path)
 
 
-def _tool_record(index: int, call: ParsedToolCall, result: ToolResult) -> ToolCallRecord:
+def tool_record(index: int, call: ParsedToolCall, result: ToolResult) -> ToolCallRecord:
     return ToolCallRecord(
         index=index,
         name=call.name,

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from collector.agent import SYSTEM_PROMPT, ToolRunner, prepare_sandbox
+from collector.agent import SYSTEM_PROMPT, ToolRunner, prepare_sandbox, tool_record
 from collector.parsers import ParsedToolCall, parse_tool_calls
 from collector.rewards import compute_reward
 from collector.tasks import Task
@@ -31,7 +31,6 @@ from store.records import (
     EpisodeRecord,
     Role,
     StopReason,
-    ToolCallRecord,
     ToolErrorKind,
     TurnRecord,
     utcnow,
@@ -133,7 +132,7 @@ async def run_eval_episode(
             records = []
             for index, (call_id, call) in enumerate(calls):
                 result = await _run_call(toolbox, call)
-                records.append(_record(index, call, result))
+                records.append(tool_record(index, call, result))
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": result.output})
                 if result.error_kind is ToolErrorKind.SANDBOX_DIED:
                     raise SandboxError(result.output)
@@ -193,20 +192,6 @@ async def _run_call(toolbox: ToolRunner, call: ParsedToolCall) -> ToolResult:
         return await toolbox.call(call.name, call.arguments)
     except SandboxError as e:
         return ToolResult(output=str(e), error_kind=ToolErrorKind.SANDBOX_DIED)
-
-
-def _record(index: int, call: ParsedToolCall, result: ToolResult) -> ToolCallRecord:
-    return ToolCallRecord(
-        index=index,
-        name=call.name,
-        arguments_json=call.arguments_json,
-        output=result.output,
-        output_bytes_total=result.output_bytes_total or len(result.output.encode()),
-        exit_code=result.exit_code,
-        duration_ms=result.duration_ms,
-        timed_out=result.timed_out,
-        error_kind=result.error_kind,
-    )
 
 
 def _text_turn(index: int, role: Role, text: str, calls: tuple = ()) -> TurnRecord:
