@@ -22,7 +22,7 @@ from tests.fixtures.learner import make_config, sample_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-N_GROUPS, PER_STEP = 12, 2
+N_GROUPS, PER_STEP = 24, 2  # 12 steps: room left after the last kill point
 STEPS = N_GROUPS // PER_STEP
 
 

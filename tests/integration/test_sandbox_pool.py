@@ -107,12 +107,22 @@ def test_watchdog_restarts_a_hung_shell(sandbox_pool, monkeypatch):
     asyncio.run(go())
 
 
+def _remove_container(name: str) -> None:
+    """Remove a container from outside, as a crashed host process would. podman 4.3 can
+    answer 125 while the container's own exec sessions are still settling: retry briefly."""
+    for _ in range(5):
+        done = subprocess.run(["podman", "rm", "-f", "-t", "0", name], capture_output=True)
+        if done.returncode == 0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"podman rm {name} failed: {done.stderr.decode()[-500:]}")
+
+
 def test_removed_container_is_sandbox_died_and_replaced(sandbox_pool):
     async def go():
         async with sandbox_pool(pool_size=1) as pool:
             box = await pool.acquire(episode_id="e", task_id="t")
-            subprocess.run(["podman", "rm", "-f", "-t", "0", box.id], check=True,
-                           capture_output=True)  # fmt: skip
+            _remove_container(box.id)
             r = await box.exec("echo hi")
             assert r.outcome is ExecOutcome.SANDBOX_DIED and not box.alive
             await pool.release(box)
