@@ -40,6 +40,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def disable_shm_comm_op() -> None:
+    """Keep DeepSpeed (0.19.8) from JIT-building its shared-memory allreduce op on CPU.
+
+    ``deepspeed.init_distributed`` builds that op on every CPU start and holds a file lock in
+    ``~/.cache/torch_extensions`` while it compiles or checks it. A learner killed in that
+    window (kill -9 during start-up) leaves the lock behind, and every later learner waits
+    on it forever — seen in the resume test. The op only speeds up allreduce between CPU
+    processes of one host; gloo does the same job here. This is the one place the learner
+    touches DeepSpeed's internals (a test holds it to the pinned version).
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
 def init_distributed() -> World:
     """Join (or create) the process group; must run before DeepSpeed is imported elsewhere."""
     on_gpu = torch.cuda.is_available()
@@ -52,6 +70,8 @@ def init_distributed() -> World:
         )  # fmt: skip
     import deepspeed
 
+    if not on_gpu:
+        disable_shm_comm_op()
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
