@@ -80,11 +80,7 @@ class Learner:
         # Stable across restarts: the store hands a restarted learner back its own claim
         # at once instead of after the lease (one GRPO learner per run and host).
         self.learner_id = f"{socket.gethostname()}/{self.run_id}"
-        self.loss_cfg = LossConfig(
-            eps_low=self.lc.eps_low, eps_high=self.lc.eps_high, is_level=self.lc.is_level,
-            is_mode=self.lc.is_mode, is_cap=self.lc.is_cap, is_lo=self.lc.is_lo,
-            is_hi=self.lc.is_hi, kl_coef=self.lc.kl_coef,
-        )  # fmt: skip
+        self.loss_cfg = LossConfig.from_learner(self.lc)
         torch.manual_seed(cfg.seed)
         self.version, start_dir = self._resolve_start()
         self.tokenizer = load_tokenizer(start_dir)

@@ -17,24 +17,34 @@ reference model. Aggregation is carried by ``token_scale_T`` (see ``packing.toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 
+from sandpiper.config import LearnerConfig
+
+_LEARNER = LearnerConfig()
+"""Defaults of the loss knobs come from ``LearnerConfig``: one place declares them."""
+
 
 @dataclass(frozen=True, slots=True)
 class LossConfig:
-    """The loss knobs of ``LearnerConfig``, decoupled from pydantic for the hot path."""
+    """The loss knobs of ``LearnerConfig`` (same names and defaults), as a plain frozen
+    dataclass for the hot path. Build it from a config with :meth:`from_learner`."""
 
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    is_level: Literal["token", "sequence_sum", "sequence_mean"] = "token"
-    is_mode: Literal["truncate", "mask", "none"] = "truncate"
-    is_cap: float = 2.0
-    is_lo: float = 0.5
-    is_hi: float = 2.0
-    kl_coef: float = 0.0
+    eps_low: float = _LEARNER.eps_low
+    eps_high: float = _LEARNER.eps_high
+    is_level: Literal["token", "sequence_sum", "sequence_mean"] = _LEARNER.is_level
+    is_mode: Literal["truncate", "mask", "none"] = _LEARNER.is_mode
+    is_cap: float = _LEARNER.is_cap
+    is_lo: float = _LEARNER.is_lo
+    is_hi: float = _LEARNER.is_hi
+    kl_coef: float = _LEARNER.kl_coef
+
+    @classmethod
+    def from_learner(cls, learner: LearnerConfig) -> LossConfig:
+        return cls(**{f.name: getattr(learner, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True, slots=True)

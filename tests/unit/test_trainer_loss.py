@@ -155,3 +155,12 @@ def test_batch_advantages_counts_what_it_skipped() -> None:
     assert stats.kept[0].advantages_G[2] is None
     assert (stats.zero_variance_groups, stats.too_few_valid_groups) == (1, 1)
     assert stats.invalid_episodes == 2 and len(stats.rewards) == 5
+
+
+def test_loss_config_follows_the_learner_config() -> None:
+    from sandpiper.config import LearnerConfig
+
+    custom = LearnerConfig(eps_low=0.1, is_mode="mask", is_lo=0.3, kl_coef=0.05)
+    cfg = LossConfig.from_learner(custom)
+    assert (cfg.eps_low, cfg.is_mode, cfg.is_lo, cfg.kl_coef) == (0.1, "mask", 0.3, 0.05)
+    assert LossConfig() == LossConfig.from_learner(LearnerConfig())
