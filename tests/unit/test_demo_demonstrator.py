@@ -1,4 +1,4 @@
-"""The demo's scripted demonstrator answers like a policy that always samples the right call."""
+"""The demo's scripted teacher answers like a policy: a tool call, then the end-of-turn token."""
 
 from __future__ import annotations
 
@@ -6,29 +6,25 @@ import asyncio
 
 import pytest
 
-from collector.demo_tasks import DEMO_TOOLS, SYSTEM_PROMPT, command, instruction
+from collector.demo_tasks import COMPUTE_COMMAND, DEMO_TOOLS, INSTRUCTION, SYSTEM_PROMPT
 from collector.inference.base import SamplingParams
 from collector.parsers import parse_tool_calls
 from collector.render import ChatRenderer
-from collector.tools import TOOL_SCHEMAS
+from collector.tools import offered_schemas
 from sandpiper.demo import Demonstrator
 from sandpiper.errors import SandpiperError
 
-PARAMS = SamplingParams(max_tokens=64)
+PARAMS = SamplingParams(max_tokens=72)
 
 
 def _renderer(tokenizer) -> ChatRenderer:
-    tools = [t for t in TOOL_SCHEMAS if t["function"]["name"] in DEMO_TOOLS]
-    return ChatRenderer(tokenizer, tools)
+    return ChatRenderer(tokenizer, offered_schemas(DEMO_TOOLS, brief=True))
 
 
-@pytest.mark.parametrize("op", ["median", "product"])
-def test_runs_the_named_operation_then_submits(tiny_tokenizer, op: str) -> None:
-    renderer = _renderer(tiny_tokenizer)
-    demonstrator = Demonstrator(tiny_tokenizer)
+def _first_call(renderer: ChatRenderer, demonstrator: Demonstrator) -> tuple[list[int], dict]:
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": instruction(op)},
+        {"role": "user", "content": INSTRUCTION},
     ]
     context = renderer.prompt_ids(messages)
     first = asyncio.run(demonstrator.generate(context, PARAMS))
@@ -36,13 +32,31 @@ def test_runs_the_named_operation_then_submits(tiny_tokenizer, op: str) -> None:
     assert first.token_ids_T[-1] == renderer.stop_token_ids[0]
     assert len(first.logprobs_T) == len(first.policy_versions_T) == len(first.token_ids_T)
     call = parse_tool_calls(renderer.decode(first.token_ids_T)).tool_calls[0]
-    assert (call.name, call.arguments) == ("execute_bash", {"command": command(op)})
+    assert call.name == "execute_bash"
+    return [*context, *first.token_ids_T.tolist()], call.arguments
 
-    context += [*first.token_ids_T.tolist()]
+
+def test_computes_in_the_given_fraction_of_episodes_then_submits(tiny_tokenizer) -> None:
+    renderer = _renderer(tiny_tokenizer)
+    teacher = Demonstrator(tiny_tokenizer, compute_fraction=0.3)
+    commands = [_first_call(renderer, teacher)[1]["command"] for _ in range(20)]
+    assert sum(c == COMPUTE_COMMAND for c in commands) == 6
+    assert all(c.startswith("echo ") for c in commands if c != COMPUTE_COMMAND)
+
+    context, _ = _first_call(renderer, teacher)
     context += renderer.tool_delta_ids([{"role": "tool", "name": "execute_bash", "content": ""}])
-    second = asyncio.run(demonstrator.generate(context, PARAMS))
+    second = asyncio.run(teacher.generate(context, PARAMS))
     call = parse_tool_calls(renderer.decode(second.token_ids_T)).tool_calls[0]
     assert (call.name, call.arguments) == ("submit", {})
+    assert teacher.episodes == 21  # the second turn is not a new episode
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_always_or_never_computes(tiny_tokenizer, fraction: float) -> None:
+    renderer = _renderer(tiny_tokenizer)
+    teacher = Demonstrator(tiny_tokenizer, compute_fraction=fraction)
+    commands = {_first_call(renderer, teacher)[1]["command"] == COMPUTE_COMMAND for _ in range(5)}
+    assert commands == {bool(fraction)}
 
 
 def test_refuses_prompts_that_are_not_demo_tasks(tiny_tokenizer) -> None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from collector.tools import TOOL_SCHEMAS, Toolbox
+from collector.tools import TOOL_SCHEMAS, Toolbox, offered_schemas
 from collector.tools.toolbox import TESTS_DIR
 from store.records import ToolErrorKind
 
@@ -41,6 +41,22 @@ def test_schemas_are_function_calling_json():
         assert schema["type"] == "function"
         assert schema["function"]["parameters"]["type"] == "object"
         json.dumps(schema)
+
+
+def test_offered_schemas_keep_order_and_brief_ones_only_the_essentials():
+    full = offered_schemas(["submit", "execute_bash"])
+    assert [s["function"]["name"] for s in full] == ["execute_bash", "submit"]
+    assert full[0] == TOOL_SCHEMAS[0]
+    brief = offered_schemas(["execute_bash", "submit"], brief=True)
+    bash = brief[0]["function"]
+    assert bash["description"] == (
+        "Run a bash command in the sandbox and return its output (stdout, then stderr)."
+    )
+    assert bash["parameters"]["properties"] == {"command": {"type": "string"}}
+    assert bash["parameters"]["required"] == ["command"]
+    assert brief[1]["function"]["parameters"]["properties"] == {}
+    assert len(json.dumps(brief)) < len(json.dumps(full)) / 2
+    assert TOOL_SCHEMAS[0]["function"]["parameters"]["properties"]["timeout"]  # not mutated
 
 
 @pytest.mark.parametrize(
