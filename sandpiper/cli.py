@@ -7,8 +7,13 @@ bodies, so ``sandpiper --help`` stays fast (a test holds it under one second).
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import os
 import pkgutil
+import sys
+import threading
+from typing import NoReturn
 
 import typer
 
@@ -35,7 +40,32 @@ _register_all()
 
 
 def main() -> None:
-    app()
+    """Entry point of the ``sandpiper`` script."""
+    try:
+        app()
+    except SystemExit as done:
+        _exit(done.code)
+    _exit(0)
+
+
+def _exit(code: object) -> NoReturn:
+    """Exit with ``code``, skipping the interpreter's module teardown when torch and DuckDB
+    are both loaded: there DuckDB's nanobind bindings (held by duckdb_engine) print ~40
+    harmless "nanobind: leaked instances" lines at the end of every learner, collector and
+    demo process. Everything else a normal exit does still happens, in the same order:
+    non-daemon threads are joined, exit handlers run, output is flushed."""
+    if "torch" not in sys.modules or "_duckdb" not in sys.modules:
+        raise SystemExit(code)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":
