@@ -1,6 +1,6 @@
 """Asynchronous vs synchronous pipeline: wall time for the same number of learner steps.
 
-    python bench/e2e_bench.py [--steps 6] [--json]
+    python bench/e2e_bench.py [--steps 6] [--poll-s 0.5] [--json]
 
 One SFT warm start (demonstrations through the real collector, then ``sandpiper learn
 --algo sft``), then the GRPO phase of the demo twice from the same checkpoint, in this run:
@@ -9,6 +9,9 @@ One SFT warm start (demonstrations through the real collector, then ``sandpiper 
   ahead of what the learner consumed;
 - **sync**: ``max_lag = 0``: the collector fills one batch, then waits while the learner
   trains on it (collect, then train, alternating), as a synchronous trainer does.
+
+Both phases poll the store every ``--poll-s`` (0.5 s; the shipped defaults are 2 s and 1 s),
+so that the synchronous baseline does not pay for slow polling at each hand-over.
 
 The time of one phase is measured from its first new policy registration to its last (both
 in the store), so the vLLM start-up, identical in both, is excluded. Key: ``async_speedup``
@@ -51,6 +54,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="learner steps per phase")
     parser.add_argument("--minutes", type=float, default=15, help="time limit per phase")
     parser.add_argument("--tasks", type=int, default=120)
+    parser.add_argument(
+        "--poll-s",
+        type=float,
+        default=0.5,
+        help="store polling interval of collector and learner, both phases (a short one keeps "
+        "the synchronous baseline from waiting on polls)",
+    )
     parser.add_argument("--runs-dir", default=str(REPO / "runs" / "bench-e2e"))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -79,6 +89,7 @@ def main() -> None:
         cfg.learner.max_steps = args.steps + 1
         cfg.collector.max_lag = lag
         cfg.learner.max_lag = lag
+        cfg.collector.policy_poll_s = cfg.learner.poll_interval_s = args.poll_s
         demo.run_grpo(cfg, minutes=args.minutes, on_tick=lambda: None)
         per_step[mode], steps = seconds_per_step(url, cfg.name)
         print(f"{mode:5s} max_lag={lag}: {per_step[mode]:.1f} s per learner step ({steps} steps)")
@@ -93,6 +104,7 @@ def main() -> None:
                     "sync_s_per_step": round(per_step["sync"], 2),
                     "async_speedup": round(speedup, 3),
                     "steps": args.steps,
+                    "poll_s": args.poll_s,
                 }
             )
         )

@@ -213,6 +213,32 @@ def _stop(proc: subprocess.Popen[bytes] | None, grace_s: float = 90.0) -> None:
         proc.wait()
 
 
+def reset(config: RunConfig) -> list[Path]:
+    """Delete what an earlier demo of this name left: its two run folders and its DuckDB
+    store with the store's lock and spool files. Returns what was deleted."""
+    import glob
+    import shutil
+
+    import sqlalchemy as sa
+
+    url = sa.make_url(config.store.url)
+    if url.get_backend_name() != "duckdb":
+        raise SandpiperError(
+            "--fresh deletes only a DuckDB demo store; give this demo a new --name instead"
+        )
+    db = Path(url.database or "")
+    gone = []
+    for path in (config.run_dir, Path(config.runs_dir) / f"{config.name}-sft"):
+        if path.is_dir():
+            shutil.rmtree(path)
+            gone.append(path)
+    for path in sorted(db.parent.glob(glob.escape(db.name) + "*")) if db.name else ():
+        if path.name == db.name or path.name.startswith(db.name + "."):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            gone.append(path)
+    return gone
+
+
 def prepare(config: RunConfig, n_tasks: int) -> tuple[RunConfig, RunConfig]:
     config.run_dir.mkdir(parents=True, exist_ok=True)
     write_demo_tasks(config.run_dir / "tasks", n_tasks, seed=config.seed)

@@ -26,6 +26,13 @@ def register(app: typer.Typer) -> None:
         compute_fraction: Annotated[
             float, typer.Option(help="Share of the teacher's demonstrations that compute.")
         ] = COMPUTE_FRACTION,
+        fresh: Annotated[
+            bool,
+            typer.Option(
+                help="Delete an earlier demo of this name (run folders, DuckDB store) first; "
+                "without it a rerun resumes where the earlier one stopped."
+            ),
+        ] = False,
     ) -> None:
         """Watch a tiny agent learn to use its sandbox: demonstrations, SFT, then GRPO with
         the collector and the learner running side by side. Ends with the reward by policy
@@ -39,6 +46,11 @@ def register(app: typer.Typer) -> None:
         console = Console()
         cfg = resolve_config(config, ctx)
         with cli_errors():
+            if fresh:
+                for path in d.reset(cfg):
+                    console.print(f"deleted {path}")
+            elif cfg.run_dir.is_dir():
+                console.print(f"resuming the demo in {cfg.run_dir} (--fresh starts over)")
             sft_cfg, grpo_cfg = d.prepare(cfg, tasks)
             started = time.monotonic()
             console.rule("[bold]1/3 demonstrations (real sandboxes, scripted demonstrator)")
