@@ -214,27 +214,24 @@ def _stop(proc: subprocess.Popen[bytes] | None, grace_s: float = 90.0) -> None:
 
 
 def reset(config: RunConfig) -> list[Path]:
-    """Delete what an earlier demo of this name left: its two run folders and its DuckDB
-    store with the store's lock and spool files. Returns what was deleted."""
-    import glob
+    """Delete what an earlier demo of this name left: its two run folders, and with them its
+    DuckDB store (which must lie in the first: a store elsewhere may hold other runs, so it
+    is refused, not deleted). Returns the folders deleted."""
     import shutil
 
     import sqlalchemy as sa
 
     url = sa.make_url(config.store.url)
-    if url.get_backend_name() != "duckdb":
+    db = Path(url.database or "").resolve()
+    if url.get_backend_name() != "duckdb" or not db.is_relative_to(config.run_dir.resolve()):
         raise SandpiperError(
-            "--fresh deletes only a DuckDB demo store; give this demo a new --name instead"
+            f"--fresh deletes the demo's store only when it lies in {config.run_dir}; "
+            f"{config.store.url} may hold other runs: give this demo a new --name instead"
         )
-    db = Path(url.database or "")
     gone = []
     for path in (config.run_dir, Path(config.runs_dir) / f"{config.name}-sft"):
         if path.is_dir():
             shutil.rmtree(path)
-            gone.append(path)
-    for path in sorted(db.parent.glob(glob.escape(db.name) + "*")) if db.name else ():
-        if path.name == db.name or path.name.startswith(db.name + "."):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
             gone.append(path)
     return gone
 

@@ -65,23 +65,25 @@ def test_refuses_prompts_that_are_not_demo_tasks(tiny_tokenizer) -> None:
         asyncio.run(Demonstrator(tiny_tokenizer).generate(ids, PARAMS))
 
 
-def test_fresh_deletes_the_earlier_demo_and_its_store_only(tmp_path) -> None:
+def test_fresh_deletes_the_earlier_demo_and_never_a_shared_store(tmp_path) -> None:
     from sandpiper.config import load_config
     from sandpiper.demo import reset
 
     runs = tmp_path / "runs"
-    url = f"duckdb:///{runs}/store.duckdb"
+    url = f"duckdb:///{runs}/d/store.duckdb"
     config = load_config(None, ["--runs_dir", str(runs), "--name", "d", "--store.url", url])
-    kept = [runs / "other" / "x", runs / "store.duckdb-notes.txt", runs / "d-sft-2" / "x"]
-    gone = [runs / "d" / "tasks" / "t", runs / "d-sft" / "policies" / "v1", runs / "store.duckdb",
-            runs / "store.duckdb.lock", runs / "store.duckdb.spool" / "0001.arrow"]  # fmt: skip
+    kept = [runs / "other" / "x", runs / "d-sft-2" / "x", runs / "store.duckdb"]
+    gone = [runs / "d" / "tasks" / "t", runs / "d-sft" / "policies" / "v1",
+            runs / "d" / "store.duckdb", runs / "d" / "store.duckdb.spool" / "0001.arrow"]  # fmt: skip
     for path in kept + gone:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("x")
-    reset(config)
+    assert reset(config) == [runs / "d", runs / "d-sft"]
     assert all(p.exists() for p in kept) and not any(p.exists() for p in gone)
     assert reset(config) == []
 
-    config.store.url = "postgresql+psycopg://u@h/db"
-    with pytest.raises(SandpiperError, match="new --name"):
-        reset(config)
+    for shared in (f"duckdb:///{runs}/store.duckdb", "postgresql+psycopg://u@h/db"):
+        config.store.url = shared
+        with pytest.raises(SandpiperError, match="new --name"):
+            reset(config)
+    assert (runs / "store.duckdb").exists()
