@@ -67,6 +67,9 @@ class VLLMServer:
     """Server stdout+stderr; None = ``<tempdir>/vllm-<port>.log``."""
     initial_version: int = 0
     """Weight version set right after start-up (vLLM itself starts at ``"default"``)."""
+    single_process: bool = True
+    """Run vLLM's engine and its one worker inside the API server process (see
+    ``InferenceConfig.single_process``)."""
     extra_args: tuple[str, ...] = ()
     """More ``vllm`` command-line flags, appended verbatim."""
     restarts: int = field(default=0, init=False)
@@ -95,6 +98,7 @@ class VLLMServer:
             kv_cache_gib=config.kv_cache_gib,
             dtype=config.dtype,
             enforce_eager=config.enforce_eager,
+            single_process=config.single_process,
             logprobs_mode=config.logprobs_mode,
             startup_timeout_s=config.startup_timeout_s,
             **kwargs,
@@ -131,6 +135,8 @@ class VLLMServer:
         ]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.single_process:
+            cmd += ["--distributed-executor-backend", "uni"]
         return cmd + list(self.extra_args)
 
     def _log_file(self) -> Path:
@@ -149,6 +155,8 @@ class VLLMServer:
         env = dict(os.environ)
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        if self.single_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         with open(self._log_file(), "ab") as log_file:
             self._proc = subprocess.Popen(
                 self.command(),
