@@ -112,6 +112,9 @@ def test_command_line_has_the_flags_the_collector_relies_on() -> None:
     ]:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enable-scale-out" in cmd and "--enforce-eager" in cmd
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"  # single process
+    multi = VLLMServer.from_config(config.model_copy(update={"single_process": False}), "/m")
+    assert "--distributed-executor-backend" not in multi.command()
 
 
 def test_start_sets_version_and_stop_kills_the_process_group(tmp_path: Path) -> None:
