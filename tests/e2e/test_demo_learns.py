@@ -33,7 +33,7 @@ from tests.conftest import REPO, require
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-STEPS = 15
+STEPS = 20
 GROUPS_PER_STEP = 6
 MAX_LAG = 1
 TASKS = 60
