@@ -126,6 +126,7 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
     from collector.inference.vllm_client import VLLMPolicyClient
     from collector.journal import SeqJournal
     from collector.render import ChatRenderer
+    from collector.sandbox.images import ImagePools
     from collector.sandbox.pool import SandboxPool
     from collector.tasks import load_tasks
     from collector.tools import TOOL_SCHEMAS
@@ -164,6 +165,8 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
     pool = SandboxPool(config.sandbox, labels={"sandpiper.run": "bench"})
     await pool.start()
     await pool.wait_warm(timeout_s=300.0)
+    # the daemon routes each episode to its task's image: all bench tasks use the warm pool
+    pools = ImagePools(config.sandbox, labels={}, pool_factory=lambda *_, **__: pool)
     store = MemoryStore()
     with tempfile.TemporaryDirectory() as tmp:
         collector = Collector(
@@ -172,7 +175,7 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
             renderer=ChatRenderer(tokenizer, TOOL_SCHEMAS),
             store=store,
             writer=store,
-            pool=pool,
+            pool=pools,
             toolbox_factory=default_toolbox_factory(exec_timeout_s=30.0, test_timeout_s=60.0),
             tasks=tasks,
             journal=SeqJournal(Path(tmp) / "journal.json"),
@@ -182,7 +185,7 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
             await collector.run(asyncio.Event())
         finally:
             wall_s = time.perf_counter() - t0
-            await pool.close()
+            await pools.close()
             await inner.aclose()
     eps = [e for g in store.groups for e in g.episodes]
     tool_ms = sum(c.duration_ms for e in eps for t in e.turns for c in t.tool_calls)

@@ -140,6 +140,8 @@ class Collector:
         self._train_groups_started = 0
         self._store_unconsumed = 0
         self._put_since_poll = 0
+        self._failure: BaseException | None = None
+        """The first unexpected exception of a group task (re-raised by the scheduler)."""
         self._validated_version: int | None = None
         self._validation_rewards: list[float] = []
         self._validation_left = 0
@@ -174,6 +176,8 @@ class Collector:
 
     async def _schedule(self, stop: asyncio.Event) -> None:
         while not stop.is_set() and not self._reached_max_groups():
+            if self._failure is not None:
+                raise self._failure
             self._maybe_validate()
             if self._may_start_train_group():
                 self._launch(self._next_task(), Split.TRAIN, self.cc.group_size)
@@ -234,8 +238,12 @@ class Collector:
         runner = asyncio.create_task(self._group(task, split, size, group_id))
         self._groups[group_id] = (runner, split)
 
-        def finished(_: asyncio.Task) -> None:
+        def finished(done: asyncio.Task) -> None:
             self._groups.pop(group_id, None)
+            if not done.cancelled() and done.exception() is not None and self._failure is None:
+                # not a data failure (those become episode records): a bug or a broken store;
+                # the scheduler re-raises it, and the journal already abandoned the group
+                self._failure = done.exception()
             self._wake.set()
 
         runner.add_done_callback(finished)

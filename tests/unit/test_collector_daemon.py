@@ -195,3 +195,24 @@ def test_episodes_run_in_the_image_their_task_names(tiny_tokenizer, tmp_path):
     collector, _, _, _ = _collector(tiny_tokenizer, tmp_path, _config(max_groups=2), tasks=tasks)
     asyncio.run(_run(collector))
     assert sorted(collector.pool.images, key=str) == [None, None] + ["localhost/task-image:1"] * 2
+
+
+def test_a_group_that_raises_stops_the_collector_with_its_error(tiny_tokenizer, tmp_path):
+    """Data failures become episode records; anything else (a bug, a broken store) must not
+    vanish as an unretrieved task exception while the daemon keeps scheduling."""
+    collector, _, writer, _ = _collector(tiny_tokenizer, tmp_path, _config(max_groups=100))
+
+    async def broken_acquire(**_):
+        raise TypeError("acquire() got an unexpected keyword argument")
+
+    collector.pool.acquire = broken_acquire
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        asyncio.run(_run(collector, stop_after_s=30.0))
+    assert writer.groups == []
+    assert collector._train_groups_started < 100
+    # the failed groups stay pending in the journal: a restart reruns them with the same ids
+    assert set(SeqJournal(tmp_path / "journal.json").pending) == {
+        "run/t0/0",
+        "run/t1/0",
+        "run/t2/0",
+    }
