@@ -42,18 +42,14 @@ def export_parquet(store, out_dir: str | Path) -> dict[str, int]:
     for name in PARTITIONED:
         rows[name] = 0
         columns = ", ".join(f't."{c.name}"' for c in schema.metadata.tables[name].c)
-        status = ", s.status" if name == "groups" else ""
-        join_states = " JOIN group_states s ON s.group_id = t.group_id" if status else ""
+        if name == "groups":  # its own version, plus the status from group_states
+            source = "groups t JOIN group_states s ON s.group_id = t.group_id"
+            columns, version = columns + ", s.status", "t.min_policy_version"
+        else:  # the version of the group the row belongs to
+            source = f'"{name}" t JOIN groups g ON g.group_id = t.group_id'
+            version = "g.min_policy_version"
+        sql = f"SELECT {columns} FROM {source} WHERE coalesce({version}, -1) = ?"
         for v in versions:
-            sql = (
-                f'SELECT {columns}{status} FROM "{name}" t '
-                f"JOIN groups g ON g.group_id = t.group_id{join_states} "
-                "WHERE coalesce(g.min_policy_version, -1) = ?"
-            )
-            if name == "groups":
-                sql = sql.replace("JOIN groups g ON g.group_id = t.group_id", "").replace(
-                    "coalesce(g.", "coalesce(t."
-                )
             with store.connect_readonly() as conn:
                 table = store.backend.fetch_arrow(conn, sql, [v])
             part = out / name / f"policy_version={v}"
