@@ -127,7 +127,6 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
     from collector.journal import SeqJournal
     from collector.render import ChatRenderer
     from collector.sandbox.images import ImagePools
-    from collector.sandbox.pool import SandboxPool
     from collector.tasks import load_tasks
     from collector.tools import TOOL_SCHEMAS
     from sandpiper.config import RunConfig
@@ -162,11 +161,9 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
     client = BusyClient(
         inner, tokenizer, mode=args.mode, tool_command=args.tool_command, turns=args.turns
     )
-    pool = SandboxPool(config.sandbox, labels={"sandpiper.run": "bench"})
-    await pool.start()
-    await pool.wait_warm(timeout_s=300.0)
-    # the daemon routes each episode to its task's image: all bench tasks use the warm pool
-    pools = ImagePools(config.sandbox, labels={}, pool_factory=lambda *_, **__: pool)
+    pools = ImagePools(config.sandbox, labels={"sandpiper.run": "bench"})
+    await pools.start()
+    await pools.wait_warm(timeout_s=300.0)
     store = MemoryStore()
     with tempfile.TemporaryDirectory() as tmp:
         collector = Collector(

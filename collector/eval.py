@@ -212,7 +212,7 @@ async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str |
     from collector.agent import default_toolbox_factory
     from collector.journal import SeqJournal
     from collector.launch import open_store
-    from collector.sandbox.pool import SandboxPool
+    from collector.sandbox.images import ImagePools
     from collector.tasks import load_tasks
     from collector.tools import offered_schemas
     from store.records import GroupRecord, Split
@@ -229,14 +229,15 @@ async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str |
         exec_timeout_s=config.sandbox.exec_timeout_s, test_timeout_s=cc.test_timeout_s
     )
     chat = ChatEndpoint(endpoint_url, model, api_key=api_key)
-    pool = SandboxPool(config.sandbox, labels={"sandpiper.run": config.name})
+    pool = ImagePools(config.sandbox, labels={"sandpiper.run": config.name})
     await pool.start()
     slots = asyncio.Semaphore(cc.max_concurrent_episodes)
     writer = store.writer(spool_dir=config.store.spool_dir)
 
     async def episode(task: Task, index: int) -> EpisodeRecord:
         episode_id = uuid.uuid4().hex
-        async with slots, pool.session(episode_id=episode_id, task_id=task.task_id) as box:
+        session = pool.session(episode_id=episode_id, task_id=task.task_id, image=task.image)
+        async with slots, session as box:
             return await run_eval_episode(
                 episode_id=episode_id, sample_index=index, task=task, endpoint=chat,
                 sandbox=box, toolbox=make_toolbox(box, task), tool_schemas=tool_schemas,

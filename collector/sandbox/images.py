@@ -11,7 +11,8 @@ isolation limits of ``sandbox``; only the image differs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from sandpiper.config import SandboxConfig
@@ -64,6 +65,19 @@ class ImagePools:
 
     async def release(self, sandbox: Any, *, broken: bool = False) -> None:
         await self._owner.pop(id(sandbox)).release(sandbox, broken=broken)
+
+    @contextlib.asynccontextmanager
+    async def session(
+        self, *, episode_id: str, task_id: str, image: str | None = None
+    ) -> AsyncIterator[Any]:
+        """The ``session`` of the pool of ``image`` (see ``SandboxPool.session``)."""
+        pool = await self._pool(image)
+        async with pool.session(episode_id=episode_id, task_id=task_id) as sandbox:
+            yield sandbox
+
+    async def wait_warm(self, timeout_s: float = 120.0) -> None:
+        """Wait until the default image's pool is full (benchmarks)."""
+        await self._pools[self.config.image].wait_warm(timeout_s)
 
     async def close(self) -> None:
         await asyncio.gather(*(pool.close() for pool in self._pools.values()))

@@ -56,3 +56,22 @@ def test_concurrent_first_use_starts_one_pool() -> None:
         assert len(made) == 2 and made[1].acquired == 5
 
     asyncio.run(scenario())
+
+
+def test_sessions_go_to_the_pool_of_their_image() -> None:
+    async def scenario() -> None:
+        pools, made = _pools()
+        async with pools.session(episode_id="e1", task_id="t", image="x:1") as box:
+            assert box.id == "box-1"
+        async with pools.session(episode_id="e2", task_id="t") as box:
+            pass
+        base, task = made
+        assert task.released == [("box-1", False)] and base.released == [("box-1", False)]
+        try:
+            async with pools.session(episode_id="e3", task_id="t", image="x:1"):
+                raise RuntimeError("the episode failed")
+        except RuntimeError:
+            pass
+        assert task.released[-1] == ("box-2", True)  # an exception marks the sandbox broken
+
+    asyncio.run(scenario())
