@@ -112,10 +112,11 @@ async def collect(
 
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(reporter.close)
-        servers = [] if client is not None else await _start_servers(config, stack)
+        servers: list = []
         if client is not None:
             inner = client
         else:
+            servers = await _start_servers(config, stack)
             urls = config.inference.server_urls or [s.url for s in servers]
             inner = VLLMPolicyClient(
                 urls,
@@ -123,12 +124,12 @@ async def collect(
                 max_retries=config.inference.max_retries,
             )
             stack.push_async_callback(inner.aclose)
-        if config.inference.server_urls and client is None:
-            # External servers may hold other weights (another run, an older version): load
-            # this run's latest policy (version 0 = learner.model) before sampling anything.
-            latest = await asyncio.to_thread(store.latest_policy, config.name)
-            weights = latest.checkpoint_uri if latest else config.learner.model
-            await inner.reload(weights, latest.version if latest else 0)
+            if config.inference.server_urls:
+                # External servers may hold other weights (another run, an older version):
+                # load this run's latest policy (version 0 = learner.model) before sampling.
+                latest = await asyncio.to_thread(store.latest_policy, config.name)
+                weights = latest.checkpoint_uri if latest else config.learner.model
+                await inner.reload(weights, latest.version if latest else 0)
         pool = ImagePools(config.sandbox, labels={"sandpiper.run": config.name})
         await pool.start()
         stack.push_async_callback(pool.close)

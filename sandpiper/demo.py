@@ -67,13 +67,13 @@ class Demonstrator:
         if INSTRUCTION not in text:
             raise SandpiperError("the demonstrator only knows the demo tasks")
         turn = text.count("<tool_response>")
+        compute = True  # only the first turn's call depends on it
         if turn == 0:
             k, f = self.episodes, self.compute_fraction
             self.episodes += 1
             compute = math.floor((k + 1) * f) > math.floor(k * f)
-            name, arguments = demonstration(compute=compute, rng=self.rng)[0]
-        else:
-            name, arguments = "submit", {}
+        calls = demonstration(compute=compute, rng=self.rng)
+        name, arguments = calls[min(turn, len(calls) - 1)]
         body = json.dumps({"name": name, "arguments": arguments})
         ids = [*self.tokenizer.encode(f"<tool_call>\n{body}\n</tool_call>"), self.eos_id]
         n = len(ids)
@@ -154,8 +154,7 @@ def reward_table(store_url: str, run_id: str) -> Any:
     from analysis import api
 
     columns = ["policy_version", "n_episodes", "n_valid", "reward_mean", "pass_rate"]
-    frame = api.reward_by_version(store_url, run_id=run_id)
-    return frame.select(columns).sort("policy_version") if len(frame) else frame.select(columns)
+    return api.reward_by_version(store_url, run_id=run_id).select(columns).sort("policy_version")
 
 
 def run_grpo(config: RunConfig, *, minutes: float, on_tick: Any) -> None:
