@@ -218,7 +218,7 @@ async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str |
     from store.records import GroupRecord, Split
 
     cc = config.collector
-    tool_schemas = offered_schemas(cc.tools, brief=cc.tool_descriptions == "brief")
+    tool_schemas = offered_schemas(cc.tools, cc.tool_descriptions)
     tasks = load_tasks(
         cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed
     )

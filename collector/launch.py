@@ -104,7 +104,7 @@ async def collect(
     if removed:
         log.info("removed %d containers left by dead collectors", len(removed))
     tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
-    offered = offered_schemas(cc.tools, brief=cc.tool_descriptions == "brief")
+    offered = offered_schemas(cc.tools, cc.tool_descriptions)
     renderer = ChatRenderer(tokenizer, offered)
     reporter = StatusReporter(
         cc.metrics_file or run_dir / "collector_metrics.jsonl", live=live_status

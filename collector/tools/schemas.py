@@ -131,14 +131,15 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [EXECUTE_BASH, STR_REPLACE_EDITOR, SUBMIT]
 """What the chat template renders as the available tools."""
 
 
-def offered_schemas(names: Sequence[str], *, brief: bool = False) -> list[dict[str, Any]]:
+def offered_schemas(names: Sequence[str], descriptions: str = "full") -> list[dict[str, Any]]:
     """The schemas of the tools ``names`` (in ``TOOL_SCHEMAS`` order), as the prompt shows them.
 
-    ``brief`` keeps each tool's first sentence and only its required parameters, without
-    their descriptions: about 300 prompt tokens fewer for the demo tools, which a tiny model
-    with a short context (and a CPU prefill) feels. Calls are parsed and run the same way."""
+    ``descriptions="brief"`` (``collector.tool_descriptions``) keeps each tool's first
+    sentence and only its required parameters, without their descriptions: about 300 prompt
+    tokens fewer for the demo tools, which a tiny model with a short context (and a CPU
+    prefill) feels. Calls are parsed and run the same way."""
     offered = [copy.deepcopy(t) for t in TOOL_SCHEMAS if t["function"]["name"] in names]
-    if brief:
+    if descriptions == "brief":
         for schema in offered:
             function = schema["function"]
             first_line = function["description"].split("\n")[0]

@@ -18,7 +18,7 @@ PARAMS = SamplingParams(max_tokens=72)
 
 
 def _renderer(tokenizer) -> ChatRenderer:
-    return ChatRenderer(tokenizer, offered_schemas(DEMO_TOOLS, brief=True))
+    return ChatRenderer(tokenizer, offered_schemas(DEMO_TOOLS, "brief"))
 
 
 def _first_call(renderer: ChatRenderer, demonstrator: Demonstrator) -> tuple[list[int], dict]:

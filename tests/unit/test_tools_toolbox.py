@@ -47,7 +47,7 @@ def test_offered_schemas_keep_order_and_brief_ones_only_the_essentials():
     full = offered_schemas(["submit", "execute_bash"])
     assert [s["function"]["name"] for s in full] == ["execute_bash", "submit"]
     assert full[0] == TOOL_SCHEMAS[0]
-    brief = offered_schemas(["execute_bash", "submit"], brief=True)
+    brief = offered_schemas(["execute_bash", "submit"], "brief")
     bash = brief[0]["function"]
     assert bash["description"] == (
         "Run a bash command in the sandbox and return its output (stdout, then stderr)."
