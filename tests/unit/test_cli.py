@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -18,14 +18,18 @@ SANDPIPER = Path(sys.executable).parent / "sandpiper"
 
 
 def test_help_is_fast() -> None:
-    # Best of three: the machine is shared, a single sample can catch a busy moment.
-    best_s = float("inf")
+    # CPU seconds of the child (user + sys), best of three: wall time on this shared 2-core
+    # machine measures the other processes' load as much as ours (1.25 s wall at load 5 for
+    # 0.3 s of CPU), while the CPU a `--help` burns is what a heavy import would show.
+    best_cpu_s = float("inf")
     for _ in range(3):
-        start = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         out = subprocess.run([str(SANDPIPER), "--help"], capture_output=True, text=True)
-        best_s = min(best_s, time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         assert out.returncode == 0, out.stderr
-    assert best_s < 1.0, f"sandpiper --help took {best_s:.2f} s"
+        cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        best_cpu_s = min(best_cpu_s, cpu_s)
+    assert best_cpu_s < 1.0, f"sandpiper --help used {best_cpu_s:.2f} CPU seconds"
 
 
 def test_help_imports_no_heavy_library() -> None:
