@@ -155,7 +155,10 @@ def test_a_pytest_run_that_loads_duckdb_and_torch_ends_without_teardown_noise(tm
     assert done.returncode == 1, output  # the exit status survives the early exit
     assert "1 failed, 1 passed" in output
     assert "nanobind" not in output
-    noisy = subprocess.run(
+    # Without the early exit the noise depends on the installed DuckDB build (earlier ones
+    # printed ~100 "nanobind: leaked" lines, see PLATFORM.md; duckdb 2.0.1 prints none): the
+    # normal teardown must still keep the run's status, so it stays a working escape hatch.
+    normal = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
          "--rootdir", str(tmp_path), str(test)],
         capture_output=True,
@@ -164,4 +167,5 @@ def test_a_pytest_run_that_loads_duckdb_and_torch_ends_without_teardown_noise(tm
         cwd=REPO,
         timeout=300,
     )  # fmt: skip
-    assert "nanobind: leaked" in noisy.stdout + noisy.stderr  # what the early exit saves
+    assert normal.returncode == 1, normal.stdout + normal.stderr
+    assert "1 failed, 1 passed" in normal.stdout
