@@ -190,6 +190,8 @@ def _check_unique(tasks: list[Task]) -> None:
 
 
 def _load_jsonl(path: Path) -> Iterator[Task]:
+    from collector.task_formats import open_instruct
+
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -202,7 +204,10 @@ def _load_jsonl(path: Path) -> Iterator[Task]:
                 raise TaskError(f"{path}:{lineno}: expected a JSON object")
             where = f"{path}:{lineno}"
             if "data_dir" in row:
-                task = load_task_folder(path.parent / row["data_dir"])
+                task = _with_overrides(load_task_folder(path.parent / row["data_dir"]), row, where)
+                yield _with_row_split(task, row, where)
+            elif open_instruct.is_row(row):
+                task = open_instruct.row_task(row, where, path.parent)
                 yield _with_row_split(task, row, where)
             elif needs_import(row):
                 raise TaskError(
@@ -211,6 +216,21 @@ def _load_jsonl(path: Path) -> Iterator[Task]:
                 )
             else:
                 yield task_from_row(row, source=path.name, where=where)
+
+
+OVERRIDE_KEYS = ("instruction", "system", "image")
+"""Fields of an index row with ``data_dir`` that replace the folder's own (an open-instruct
+dataset row's prompt and per-sample image, kept by ``sandpiper tasks import``)."""
+
+
+def _with_overrides(task: Task, row: dict[str, Any], where: str) -> Task:
+    changes = {}
+    for key, name in zip(OVERRIDE_KEYS, ("instruction", "system_prompt", "image"), strict=True):
+        if key in row:
+            if not isinstance(row[key], str) or not row[key].strip():
+                raise TaskError(f"{where}: field {key!r} must be non-empty text")
+            changes[name] = row[key]
+    return replace(task, **changes) if changes else task
 
 
 def needs_import(row: dict[str, Any]) -> str | None:
@@ -307,20 +327,7 @@ def load_task_folder(folder: str | Path) -> Task:
     if not instruction_file.is_file():
         raise TaskError(f"{folder}: no instruction.md")
     if open_instruct.is_folder(folder):
-        return Task(
-            task_id=_safe_id(folder.name, str(folder)),
-            instruction=instruction_file.read_text().strip(),
-            reference={"reward": "tests", "result_format": "reward_file"},
-            source=folder.parent.name,
-            format="open_instruct",
-            data_dir=folder,
-            image=open_instruct.image(folder),
-            files_subdir=open_instruct.SEEDS,
-            test_script=open_instruct.TEST_SCRIPT,
-            tests_dest=open_instruct.TESTS_DEST,
-            reward_file=open_instruct.REWARD_FILE,
-            result_format="reward_file",
-        )
+        return open_instruct.folder_task(folder)
     meta: dict[str, Any] = {}
     if (folder / "task.toml").is_file():
         try:

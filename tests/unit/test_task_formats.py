@@ -268,3 +268,137 @@ def test_missing_field_names_the_nearest_supported_one(tmp_path):
     with pytest.raises(TaskError, match="not empty"):
         import_tasks(tmp_path / "t.jsonl", tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+# ---- open-instruct dataset rows (env_config) ------------------------------------------------
+
+OI_SYSTEM = "You are a helpful coding assistant. You have access to a bash terminal."
+OI_TEST_SH = """#!/bin/bash
+set -e
+mkdir -p /logs/verifier
+
+cat << 'TEST_EOF' > /tmp/test_final_state.py
+def test_done():
+    assert open('/workspace/out.txt').read().strip() == 'ok'
+TEST_EOF
+
+if python3 -m pytest /tmp/test_final_state.py -x --tb=short 2>&1; then
+    echo "1" > /logs/verifier/reward.txt
+else
+    echo "0" > /logs/verifier/reward.txt
+fi
+"""
+
+
+def open_instruct_rows(root: Path) -> Path:
+    """What open-instruct's SWERL converter writes: task data (instruction.md, tests/test.sh,
+    setup.sh from the container's %post, no image.txt) and dataset rows whose env_config
+    names the task and its image, in the flat and the nested shape."""
+    data = root / "task-data.tar.gz.extracted"
+    for task_id in ("tmax-001", "tmax-002"):
+        (data / task_id / "tests").mkdir(parents=True)
+        (data / task_id / "instruction.md").write_text(
+            f"Write ok to /workspace/out.txt ({task_id})"
+        )
+        (data / task_id / "tests" / "test.sh").write_text(OI_TEST_SH)
+        (data / task_id / "setup.sh").write_text("#!/bin/bash\nset -e\npip install pytest\n")
+    (data / "tmax-002" / "image.txt").write_text("localhost/from-image-txt:1\n")
+
+    def row(task_id, env_config):
+        return {
+            "messages": [
+                {"role": "system", "content": OI_SYSTEM},
+                {"role": "user", "content": f"Write ok to /workspace/out.txt please ({task_id})"},
+            ],
+            "ground_truth": task_id, "dataset": "passthrough", "env_config": env_config,
+            "source": "tmax_skill_taxonomy",
+        }  # fmt: skip
+
+    rows = [
+        row("tmax-001", {"env_name": "swerl_sandbox", "task_id": "tmax-001", "image": "py:3.12"}),
+        row(
+            "tmax-002",
+            {
+                "env_configs": [
+                    {"env_name": "guess_number", "image": "", "task_id": "", "number": "3"},
+                    {
+                        "env_name": "swerl_sandbox",
+                        "image": "localhost/per-row:2",
+                        "task_id": "tmax-002",
+                    },
+                ],
+                "max_steps": 50,
+            },
+        ),
+    ]
+    src = root / "swerl.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return src
+
+
+def test_open_instruct_rows_use_their_prompt_and_per_row_image(tmp_path):
+    src = open_instruct_rows(tmp_path)
+    data = tmp_path / "task-data.tar.gz.extracted"
+    one, two = import_tasks(src, tmp_path / "out", task_data_dir=data)
+    assert (one.task_id, two.task_id) == ("tmax-001", "tmax-002")
+    # the per-sample image wins over image.txt, as SWERLSandboxEnv._do_reset resolves it
+    assert (one.image, two.image) == ("py:3.12", "localhost/per-row:2")
+    # the prompt is the row's messages (open-instruct discards the reset observation)
+    assert one.instruction == "Write ok to /workspace/out.txt please (tmax-001)"
+    assert one.system_prompt == OI_SYSTEM and one.format == "open_instruct"
+    assert one.reward_file == "/logs/verifier/reward.txt" and one.tests_dest == "/tests"
+    assert one.setup_script == tmp_path / "out" / "tmax-001" / "setup.sh"
+    assert one.resolved_test_command == 'bash "$TESTS_DIR/test.sh"'
+    one.check()
+    # read directly by the collector, the rows name folders next to the rows file
+    (data / "swerl.jsonl").write_text(src.read_text())
+    direct, _ = load_tasks(data / "swerl.jsonl")
+    assert direct.image == "py:3.12" and direct.system_prompt == OI_SYSTEM
+
+
+def test_open_instruct_row_errors_are_clear_and_leave_nothing(tmp_path):
+    src = open_instruct_rows(tmp_path)
+    with pytest.raises(TaskError, match=r"swerl.jsonl:1: no task folder .*--task-data-dir"):
+        import_tasks(src, tmp_path / "out")  # the task data is not next to the rows
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "swerl.jsonl",
+        "task-data.tar.gz.extracted",
+    ]
+    bad = {"messages": "x", "env_config": {"env_name": "wordle_text_env", "word": "crane"}}
+    src.write_text(src.read_text() + json.dumps(bad) + "\n")
+    data = tmp_path / "task-data.tar.gz.extracted"
+    with pytest.raises(TaskError, match=r"swerl.jsonl:3: env_config has no 'swerl_sandbox'"):
+        import_tasks(src, tmp_path / "out", task_data_dir=data)
+
+
+@pytest.mark.parametrize(
+    ("text", "reward"),
+    [("1\n", 1.0), (" 0.5 \n", 0.5), ("2", 1.0), ("-3", 0.0), ("1 passed", 0.0), ("", 0.0)],
+)
+def test_reward_txt_is_read_as_open_instruct_reads_it(text, reward):
+    """``float(stdout.strip())`` clamped to [0, 1]; anything that is not one number → 0."""
+    from collector.tools.reward import reward_from_result
+
+    got, _ = reward_from_result("reward_file", result_text=text, stdout="", exit_code=0, secret="s")
+    assert got == reward
+
+
+def test_a_bad_banned_pattern_is_one_invalid_episode(tiny_tokenizer, tmp_path):
+    """A row whose banned_patterns is not a list of strings: the episode is invalid with its
+    error (task_error), never a valid 0 and never an abort."""
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps({"prompt": "2+2?", "answer": "4", "banned_patterns": "rm"}) + "\n")
+    (task,) = load_tasks(src)
+    sandbox = FakeSandbox()
+    submit = '<tool_call>{"name": "submit", "arguments": {"answer": "4"}}</tool_call>'
+    episode = asyncio.run(
+        run_episode(
+            episode_id="e", sample_index=0, task=task,
+            policy=TokenPolicy(ScriptedPolicy(tiny_tokenizer, [submit]),
+                               ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)),
+            sandbox=sandbox, toolbox=FakeToolbox(sandbox), limits=EpisodeLimits(),
+        )
+    )  # fmt: skip
+    assert episode.stop_reason is StopReason.TASK_ERROR and not episode.valid
+    assert episode.reward is None and "banned_patterns" in episode.error
