@@ -26,13 +26,25 @@ from store.records import StopReason
 from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, FakeSandbox, FakeToolbox, ScriptedPolicy
 
 OPEN_INSTRUCT_TEST_SH = """#!/bin/bash
-cd /workspace
-if python3 -c "from calc import add; assert add(2, 3) == 5"; then
-  echo 1 > /logs/verifier/reward.txt
+set -e
+mkdir -p /logs/verifier
+
+cat << 'TEST_EOF' > /tmp/test_final_state.py
+import sys
+sys.path.insert(0, "/workspace")
+from calc import add
+assert add(2, 3) == 5
+TEST_EOF
+
+if python3 /tmp/test_final_state.py 2>&1; then
+    echo "1" > /logs/verifier/reward.txt
 else
-  echo 0 > /logs/verifier/reward.txt
+    echo "0" > /logs/verifier/reward.txt
 fi
 """
+"""Shaped as open-instruct's SWERL converter writes test.sh (``set -e``, ``mkdir -p
+/logs/verifier``, the test written to /tmp, exit 0 either way); python3 runs the test file
+where the converter runs pytest, which the sandbox image does not ship."""
 
 
 def open_instruct_task(root: Path, name: str = "fix-add", *, test_sh: bool = True) -> Path:
