@@ -178,7 +178,10 @@ def _llm_in_sandbox_task(row: dict[str, Any], out: Path, where: str) -> Task:
         (documents / name).parent.mkdir(parents=True, exist_ok=True)
         (documents / name).write_text(text)
     (folder / "instruction.md").write_text(fields["instruction"])
-    _write_toml(folder / "task.toml", {**fields["reference"], "format": "llm_in_sandbox"})
+    meta = {**fields["reference"], "format": "llm_in_sandbox"}
+    if fields["image"]:
+        meta["image"] = fields["image"]
+    _write_toml(folder / "task.toml", meta)
     return load_task_folder(folder)
 
 

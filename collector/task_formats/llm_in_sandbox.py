@@ -32,9 +32,13 @@ ROW_FIELDS = ("id", "problem_statement", "ground_truth", "domain", "input_files"
 SCORED_DOMAINS = ("math", "physics", "chem", "biomed", "instruct_pretrain", "long_context")
 REFUSED_DOMAINS = {
     "instruct_follow": (
-        "instruction-following rows are scored by the peer's own IFEval-style checker "
-        "(llm_in_sandbox.benchmark.instruct_follow); no maintained package on PyPI reproduces "
-        "it against this data, so these rows are refused rather than scored wrongly"
+        "the peer scores instruction following with IFBench's checker imported from a git "
+        "clone ($IFBENCH_PATH, instruct_follow/reward.py), and no maintained PyPI package "
+        "reproduces it offline: if-verifiable 0.1.2 scores some instructions differently and, "
+        "like nvidia-ifbench (which also pulls spaCy and LangChain), downloads NLTK data when "
+        "imported. Remove these rows before importing (docs/tasks.md has a jq line for JSONL "
+        "and for the rllm JSON), or grade them with your own IFBench checkout as a task "
+        "folder's tests/run.sh"
     )
 }
 
@@ -97,7 +101,18 @@ def task_fields(row: dict[str, Any], where: str) -> dict[str, Any]:
         ),
         "reference": reference,
         "files": input_files(row.get("input_files"), where),
+        "image": _image(row.get("docker_image"), where),
     }
+
+
+def _image(value: Any, where: str) -> str | None:
+    """``docker_image``, which the peer's ``LLMinSandboxEnv.from_dict`` takes from a record
+    (default ``cdx123/llm-in-sandbox:v0.1``); here it must name a local podman image."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise TaskError(f"{where}: field 'docker_image' must be an image name, got {value!r}")
+    return value.strip()
 
 
 def input_files(raw: Any, where: str) -> dict[str, str]:

@@ -109,6 +109,7 @@ LIS_ROWS = [
         "ground_truth": "B",
         "domain": "biomed",
         "input_files": None,
+        "docker_image": "localhost/lis:1",
     },
 ]
 
@@ -116,6 +117,8 @@ LIS_ROWS = [
 def rllm_record(row: dict) -> dict:
     """What the peer's convert_llm_sandbox_dataset.py writes for one dataset row."""
     extra = {k: row[k] for k in ("id", "domain", "problem_statement", "ground_truth")}
+    if row.get("docker_image"):  # a key LLMinSandboxEnv.from_dict reads from extra_info
+        extra["docker_image"] = row["docker_image"]
     if row.get("input_files"):
         extra["input_files"] = row["input_files"]
     if row.get("qa_type"):
@@ -145,6 +148,7 @@ def test_llm_in_sandbox_rows_and_rllm_json(tmp_path, shape):
     }  # fmt: skip
     assert "/workspace/documents/" in lc.instruction and "/workspace/answer.txt" in lc.instruction
     assert bio.reference["domain"] == "biomed" and lc.format == "llm_in_sandbox"
+    assert lc.image is None and bio.image == "localhost/lis:1"  # the record's docker_image
 
 
 def test_llm_in_sandbox_answer_file_is_scored_by_domain(tiny_tokenizer, tmp_path):
@@ -167,11 +171,21 @@ def test_llm_in_sandbox_answer_file_is_scored_by_domain(tiny_tokenizer, tmp_path
 
 
 def test_llm_in_sandbox_instruction_following_is_refused_clearly(tmp_path):
-    row = {**LIS_ROWS[1], "domain": "instruct_follow", "id": "if-1"}
+    """The peer's instruct_follow rows: ground_truth is IFBench's instruction ids and kwargs
+    as a JSON string. No maintained package reproduces the peer's checker (docs/tasks.md),
+    so the import stops, says why and what to do, and writes nothing."""
+    truth = {"instruction_id_list": ["count:word_count_range"], "kwargs": [{"min_words": 40, "max_words": 60}]}  # fmt: skip
+    row = {
+        "id": "if-1", "domain": "instruct_follow", "ground_truth": json.dumps(truth),
+        "problem_statement": "Describe the Franks. The response must contain between 40 and 60 words.",
+    }  # fmt: skip
     src = tmp_path / "rows.jsonl"
     src.write_text(json.dumps(LIS_ROWS[0]) + "\n" + json.dumps(row) + "\n")
-    with pytest.raises(TaskError, match=r"rows.jsonl:2: domain 'instruct_follow' is not supported"):
+    with pytest.raises(TaskError) as refused:
         import_tasks(src, tmp_path / "out")
+    message = str(refused.value)
+    assert message.startswith(f"{src}:2: domain 'instruct_follow' is not supported")
+    assert "IFBench" in message and "Remove these rows" in message
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["rows.jsonl"]  # nothing half-written
 
