@@ -253,6 +253,53 @@ def test_trl_daytona_task_rewards_as_trl_does(tmp_path):
     assert broken["reward"] == -1.0
 
 
+PEER_TASKS = Path(__file__).parent.parent / "fixtures" / "trl_daytona_tasks.jsonl"
+"""The example's own ``TASKS`` (daytona guides/python/reinforcement-learning/trl/train.py),
+one entry per line, prompts verbatim."""
+KADANE = """    best = cur = xs[0]
+    for x in xs[1:]:
+        cur = x if cur < 0 else cur + x
+        best = best if best > cur else cur
+    return best
+"""
+# (task, completion the model adds to the prompt, the peer's reward for it), the rewards
+# computed by running the peer's harness and reward_func on the same completion
+PEER_TRL_CASES = [
+    ("sorting", INSERTION_SORT, 1.0),
+    ("sorting", "    return sorted(xs)\n", -1.0),
+    ("sorting", "    return list(xs)\n", 0.2),
+    ("sorting", "    return xs[\n", -1.0),
+    ("sorting", "    xs.Sort()\n    return xs\n", -1.0),  # banned in any case
+    ("sorting", "    return xs[::-1]\n", 0.2),
+    ("max_subarray", KADANE, 1.0),  # the reference is the harness's own _kadane
+    ("max_subarray", "    return max(xs)\n", 3 / 7),
+    ("max_subarray", "    return sum(xs)\n", 3 / 7),
+    ("max_subarray", "    return helper(xs)\n", 0.0),  # fails inside each test: 0, not -1
+    ("max_subarray", "    raise ValueError('no')\n", 0.0),
+]
+
+
+def test_the_peers_own_tasks_score_as_the_peer_scores_them(tmp_path):
+    tasks = {t.task_id: t for t in import_tasks(PEER_TASKS, tmp_path / "out")}
+    assert sorted(tasks) == ["max_subarray", "sorting"]
+    rows = {
+        json.loads(line)["name"]: json.loads(line) for line in PEER_TASKS.read_text().splitlines()
+    }
+    for name, completion, peer in PEER_TRL_CASES:
+        got = _grade(tmp_path / "out" / name, rows[name]["prompt"] + completion, tmp_path)
+        assert got["reward"] == pytest.approx(peer), (name, completion, got)
+
+
+def test_one_test_is_not_a_tuple_in_the_peers_harness(tmp_path):
+    """The peer writes its tests into ``(t1, t2, ...)``: a single test is the list itself,
+    so the loop runs over its numbers and every call fails (the peer's reward: 0)."""
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps({**TRL_TASK, "tests": ["[3, 1, 2]"]}) + "\n")
+    import_tasks(src, tmp_path / "out")
+    got = _grade(tmp_path / "out" / "sorting", TRL_TASK["prompt"] + INSERTION_SORT, tmp_path)
+    assert got == {"reward": 0.0, "passed": 0, "total": 3}
+
+
 def test_trl_row_with_a_bad_test_expression_is_refused(tmp_path):
     src = tmp_path / "tasks.jsonl"
     src.write_text(json.dumps({**TRL_TASK, "tests": ["[1, 2"]}) + "\n")
