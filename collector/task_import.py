@@ -23,10 +23,11 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from collector.task_formats import llm_in_sandbox, open_instruct, trl_daytona
+from collector.task_formats import aviato, llm_in_sandbox, open_instruct, trl_daytona
 from collector.tasks import (
     _CONTEXT_KEYS,
     OVERRIDE_KEYS,
@@ -134,6 +135,8 @@ def convert_records(
             task = open_instruct.row_task(row, where, task_data_dir or base)
         elif fmt == "trl_daytona" or (fmt == "auto" and trl_daytona.is_row(row)):
             task = _trl_task(row, out, where)
+        elif aviato.is_row(row) and fmt in ("auto", "jsonl"):
+            task = _aviato_task(row, out, where)
         elif llm_in_sandbox.is_row(row) and fmt in ("auto", "llm_in_sandbox"):
             task = _llm_in_sandbox_task(row, out, where)
         elif fmt == "llm_in_sandbox":
@@ -191,6 +194,14 @@ def _trl_task(row: dict[str, Any], out: Path, where: str) -> Task:
     meta = trl_daytona.write_task(row, folder, where)
     _write_toml(folder / "task.toml", meta)
     return load_task_folder(folder)
+
+
+def _aviato_task(row: dict[str, Any], out: Path, where: str) -> Task:
+    task_id = str(row.get("id") or _content_id(json.dumps(row["prompt"], sort_keys=True)))
+    folder = _task_folder(out, task_id, where)
+    meta, system = aviato.write_task(row, folder, where)
+    _write_toml(folder / "task.toml", meta)
+    return replace(load_task_folder(folder), system_prompt=system)
 
 
 _DOCUMENT_QA_INSTRUCTION = """{prompt}

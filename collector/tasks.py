@@ -235,8 +235,10 @@ def _with_overrides(task: Task, row: dict[str, Any], where: str) -> Task:
 
 def needs_import(row: dict[str, Any]) -> str | None:
     """The peer format of a row that must be converted to a task folder first, if any."""
-    from collector.task_formats import llm_in_sandbox, trl_daytona
+    from collector.task_formats import aviato, llm_in_sandbox, trl_daytona
 
+    if aviato.is_row(row):
+        return "Aviato code"
     if llm_in_sandbox.is_row(row):
         return "LLM-in-Sandbox"
     if trl_daytona.is_row(row):

@@ -475,3 +475,56 @@ def test_a_bad_banned_pattern_is_one_invalid_episode(tiny_tokenizer, tmp_path):
     )  # fmt: skip
     assert episode.stop_reason is StopReason.TASK_ERROR and not episode.valid
     assert episode.reward is None and "banned_patterns" in episode.error
+
+
+# ---- Aviato's TRL GRPO rows -----------------------------------------------------------------
+
+AVIATO_SYSTEM = """You solve coding problems by writing Python code.
+Put your code inside <answer> tags like this: <answer>print("hello")</answer>
+Only include the code, no explanations."""
+
+
+def aviato_row(user: str, expected: str) -> dict:
+    """A row of create_toy_dataset() in Aviato's trl_grpo_integration.py."""
+    return {
+        "prompt": [{"role": "system", "content": AVIATO_SYSTEM}, {"role": "user", "content": user}],
+        "expected_output": expected,
+    }
+
+
+# (the submitted completion, the peer's reward: its code in <answer> tags exits 0 → 1.0)
+AVIATO_CASES = [
+    ("<answer>print(2 + 3)</answer>", 1.0),
+    ("Sure!\n<answer>\nprint(2 + 3)\n</answer>\nDone.", 1.0),
+    ("<answer>print('six')</answer>", 1.0),  # expected_output is not scored by the peer
+    ("<answer>x</answer> then <answer>print(5)</answer>", 1.0),  # the last tag counts
+    ("<answer>print(5)", 1.0),  # no closing tag: the rest of the text
+    ("print(5)", 0.0),  # no tag
+    ("<answer>  </answer>", 0.0),
+    ("<answer>raise SystemExit(3)</answer>", 0.0),
+    ("<answer>print(</answer>", 0.0),
+]
+
+
+def test_aviato_rows_score_as_the_peer_scores_them(tmp_path):
+    src = tmp_path / "aviato.jsonl"
+    src.write_text(
+        json.dumps(aviato_row("Write code that adds 2 and 3, then prints the result.", "5"))
+        + "\n"
+        + json.dumps(aviato_row("Write code that prints 'Hello, World!'.", "Hello, World!"))
+        + "\n"
+    )
+    adds, _ = import_tasks(src, tmp_path / "out")
+    assert adds.format == "aviato" and adds.system_prompt == AVIATO_SYSTEM
+    assert adds.instruction.startswith("Write code that adds 2 and 3, then prints the result.")
+    assert "`submit`" in adds.instruction and adds.reference["reward"] == "tests"
+    harness = adds.data_dir / "tests" / "harness.py"
+    for completion, peer in AVIATO_CASES:
+        answer, result = tmp_path / "answer", tmp_path / "result.json"
+        answer.write_text(completion)
+        result.unlink(missing_ok=True)
+        subprocess.run(
+            [sys.executable, str(harness)], capture_output=True, check=True,
+            env={**os.environ, "ANSWER_FILE": str(answer), "SANDPIPER_RESULT_FILE": str(result)},
+        )  # fmt: skip
+        assert json.loads(result.read_text())["reward"] == peer, completion
