@@ -7,9 +7,10 @@
     <task_id>/setup.sh                optional, run after seeding
     <task_id>/image.txt               optional image tag for this task
 
-Differences, each for a reason: ``tests/`` is copied to ``/tests`` only at submit (open-instruct
-copies it at reset, where the agent could read or change it); the reward is read only from
-``reward.txt`` and clamped to [0, 1] as open-instruct does, with **no** exit-status fallback
+``tests/`` is copied to ``/tests`` only at submit (as the versions of open-instruct that defer
+it "to prevent peeking" do; older ones copy it at reset, where the agent could read or change
+it). The reward is read only from ``reward.txt`` (``float(text.strip())``, clamped to [0, 1],
+as open-instruct reads it), with **no** exit-status fallback
 (their ``test.sh`` exits 0 whether the answer passes or not, so the fallback would pay wrong
 answers); a missing ``test.sh`` is a broken task (an invalid episode), not a reward of 0;
 ``image.txt`` names a local podman image (a missing one makes each episode invalid).
