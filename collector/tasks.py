@@ -283,13 +283,14 @@ def _prompt(row: dict[str, Any], where: str) -> tuple[str, str | None]:
 def _chat_prompt(messages: list[Any], where: str) -> tuple[str, str | None]:
     system, user = [], []
     for i, message in enumerate(messages, 1):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+        if not isinstance(message, dict):
             raise TaskError(f"{where}: prompt message {i} must be an object with text 'content'")
+        content = _message_text(message.get("content"), f"{where}: prompt message {i}")
         role = message.get("role")
-        if role == "system":
-            system.append(message["content"])
+        if role in ("system", "developer"):  # OpenAI's newer name for the system role
+            system.append(content)
         elif role == "user":
-            user.append(message["content"])
+            user.append(content)
         else:
             raise TaskError(
                 f"{where}: prompt message {i} has role {role!r}; a task prompt may hold only "
@@ -298,6 +299,24 @@ def _chat_prompt(messages: list[Any], where: str) -> tuple[str, str | None]:
     if not "".join(user).strip():
         raise TaskError(f"{where}: the prompt messages hold no user message")
     return "\n\n".join(user), ("\n\n".join(system) if system else None)
+
+
+def _message_text(content: Any, where: str) -> str:
+    """A message's text: a string, or OpenAI's list of content parts (``{"type": "text",
+    "text": ...}``, joined); other parts (images, audio) cannot reach a text agent."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content, 1):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise TaskError(f"{where}: content part {j} is {kind!r}; only text parts are read")
+            if not isinstance(part.get("text"), str):
+                raise TaskError(f"{where}: content part {j} has no 'text'")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise TaskError(f"{where} must be an object with text 'content'")
 
 
 def missing_field(where: str, what: str, supported: Iterable[str], row: dict[str, Any]) -> str:

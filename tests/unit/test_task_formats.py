@@ -365,3 +365,24 @@ def test_a_bad_banned_pattern_is_one_invalid_episode(tiny_tokenizer, tmp_path):
     )  # fmt: skip
     assert episode.stop_reason is StopReason.TASK_ERROR and not episode.valid
     assert episode.reward is None and "banned_patterns" in episode.error
+
+
+def test_openai_content_parts_and_developer_role(tmp_path):
+    """OpenAI-style messages: content as a list of text parts, ``developer`` as the system
+    role; a part that is not text is refused with its row and message number."""
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "2+2?"}]
+    row = {
+        "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}],
+        "answer": "4",
+    }  # fmt: skip
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    bad = {"messages": [{"role": "user", "content": [image]}], "answer": "4"}
+    src = tmp_path / "openai.jsonl"
+    src.write_text(json.dumps(row) + "\n")
+    (task,) = load_tasks(src)
+    assert task.instruction == "What is\n2+2?" and task.system_prompt == "Be brief."
+    src.write_text(json.dumps(row) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(
+        TaskError, match=r"openai.jsonl:2: prompt message 1: content part 1 is 'image_url'"
+    ):
+        load_tasks(src)
