@@ -6,8 +6,11 @@ Sources the collector accepts (``collector.tasks`` in the config):
   ``instruction`` / ``messages``; text or a list of chat messages) and ``answer`` (or
   ``ground_truth`` / ``solution``), optional ``id``, ``reward`` (``math`` default, ``exact``,
   ``rouge``), ``banned_patterns``, ``split``. A line with ``data_dir`` points at a task folder
-  (relative to the file). Peers' rows that need files in the sandbox (LLM-in-Sandbox-RL,
-  TRL + Daytona) are converted first by ``sandpiper tasks import`` (:mod:`collector.task_import`).
+  (relative to the file; ``instruction``, ``system`` and ``image`` in that line replace the
+  folder's own). An open-instruct dataset row (``env_config``) names an open-instruct folder
+  next to the file. Peers' rows that need files in the sandbox (LLM-in-Sandbox-RL, TRL +
+  Daytona, Aviato) are converted first by ``sandpiper tasks import``
+  (:mod:`collector.task_import`).
 - **Task folder** (one per task)::
 
       <task_id>/instruction.md   what the agent is asked
