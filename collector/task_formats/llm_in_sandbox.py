@@ -68,8 +68,13 @@ def is_row(row: dict[str, Any]) -> bool:
 
 def task_fields(row: dict[str, Any], where: str) -> dict[str, Any]:
     """Validate one row; returns instruction, reference and files (name -> text)."""
+    from collector.tasks import missing_field
+
     if is_rllm_record(row):
         row = from_rllm(row)
+    for name in ("problem_statement", "ground_truth", "domain"):
+        if name not in row:
+            raise TaskError(missing_field(where, f"field {name!r}", (name,), row))
     problem = row.get("problem_statement")
     if not isinstance(problem, str) or not problem.strip():
         raise TaskError(f"{where}: field 'problem_statement' is missing or empty")

@@ -122,11 +122,11 @@ def is_row(row: dict[str, Any]) -> bool:
 
 def write_task(row: dict[str, Any], folder: Path, where: str) -> dict[str, Any]:
     """Write the task folder for one row; returns the ``task.toml`` data."""
+    from collector.tasks import missing_field
+
     for name in FIELDS:
         if name not in row:
-            raise TaskError(
-                f"{where}: field {name!r} is missing (TRL tasks need {', '.join(FIELDS)})"
-            )
+            raise TaskError(missing_field(where, f"field {name!r}", (name,), row))
     prompt, func_name = row["prompt"], row["func_name"]
     if not isinstance(prompt, str) or not prompt.strip():
         raise TaskError(f"{where}: field 'prompt' must be the function's code to complete")

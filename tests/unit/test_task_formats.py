@@ -386,3 +386,12 @@ def test_openai_content_parts_and_developer_role(tmp_path):
         TaskError, match=r"openai.jsonl:2: prompt message 1: content part 1 is 'image_url'"
     ):
         load_tasks(src)
+
+
+def test_llm_in_sandbox_record_missing_a_field_names_the_nearest_one(tmp_path):
+    record = rllm_record(LIS_ROWS[1])
+    record["extra_info"]["domian"] = record["extra_info"].pop("domain")
+    src = tmp_path / "train_verl.json"
+    src.write_text(json.dumps([rllm_record(LIS_ROWS[0]), record]))
+    with pytest.raises(TaskError, match=r"record 2: no field 'domain' .*'domian': did you mean"):
+        import_tasks(src, tmp_path / "out")

@@ -173,3 +173,15 @@ def test_aviato_rows_score_as_the_peer_scores_them(tmp_path):
             env={**os.environ, "ANSWER_FILE": str(answer), "SANDPIPER_RESULT_FILE": str(result)},
         )  # fmt: skip
         assert json.loads(result.read_text())["reward"] == peer, completion
+
+
+def test_trl_row_missing_a_field_names_the_nearest_one(tmp_path):
+    src = tmp_path / "tasks.jsonl"
+    row = {k: v for k, v in TRL_TASK.items() if k != "banned_patterns"}
+    src.write_text(json.dumps({**row, "banned_pattern": ["sorted("]}) + "\n")
+    with pytest.raises(
+        TaskError,
+        match=r"tasks.jsonl:1: no field 'banned_patterns' .*'banned_pattern': did you mean",
+    ):
+        import_tasks(src, tmp_path / "out", fmt="trl_daytona")
+    assert not (tmp_path / "out").exists()
