@@ -72,9 +72,14 @@ def test_shipped_peer_samples_import_unchanged(tmp_path):
             "max-subarray": ("trl_daytona", "tests"),
         },
         "chat_prompts.jsonl": {"chat-add": ("jsonl_math", "math")},
+        "open_instruct/swerl_rows.jsonl": {"fix-add": ("open_instruct", "tests")},
+        "aviato_trl_grpo.jsonl": {
+            "t-231358ee446c": ("aviato", "tests"),
+            "t-c92a3c729377": ("aviato", "tests"),
+        },
     }
     for name, tasks in expected.items():
-        out = tmp_path / name.replace(".", "_")
+        out = tmp_path / name.replace(".", "_").replace("/", "_")
         result = runner.invoke(
             app, ["tasks", "import", str(REPO / "tasks/peers" / name), "-o", str(out)]
         )
