@@ -11,9 +11,10 @@ tests and the reference are evaluated in the solution's module namespace beside 
 call that raises fails that test only (0 for it, not -1); and the tests are one
 parenthesised expression, so a single test is the list itself, not a one-test tuple.
 
-Here the agent writes the whole function to ``/workspace/solution.py`` and submits; at
-submit a harness (in the task's ``tests/``) checks the banned substrings in what the agent
-added to the prompt, runs the tests against the reference exactly as the peer's harness does
+Here the agent writes the prompt and the body it adds to ``/workspace/solution.py`` and
+submits; at submit a harness (in the task's ``tests/``) keeps the body as the peer's
+sanitiser does (the indented lines after the prompt), checks the banned substrings in it,
+runs the tests against the reference exactly as the peer's harness does
 (``random.seed(0)``, ``xs.copy()``), and writes the reward to ``$SANDPIPER_RESULT_FILE``
 (``result_file`` format). Known limit (docs/security.md): the harness runs the solution in
 its own process, as the peer does, so solution code can overwrite that file; a task that
@@ -34,8 +35,8 @@ TIMEOUT_S = 5
 """The harness's own limit on running the solution and its tests (the peer uses 1 s on
 Daytona; a cold Python in a loaded container needs more): past it the reward is -1."""
 
-INSTRUCTION = """Complete the Python function below. Write the complete function (its \
-signature and body) to {solution}, then call `submit`.
+INSTRUCTION = """Complete the Python function below. Write the code below to {solution} \
+unchanged, followed by the function's body (indented four spaces), then call `submit`.
 
 ```python
 {prompt}
@@ -69,7 +70,20 @@ try:
     source = open(SPEC["solution"]).read()
 except OSError as e:
     fail(f"no solution: {e}")
-added = source[len(SPEC["prompt"]):] if source.startswith(SPEC["prompt"]) else source
+prompt = SPEC["prompt"]
+if source.startswith(prompt):
+    # The peer's completion setting: the body follows the prompt; like its sanitiser, keep
+    # the lines up to the first unindented one, and grade prompt + "\n" + body.
+    kept = []
+    for line in source[len(prompt):].splitlines():
+        if line and not line.startswith("    "):
+            break
+        kept.append(line)
+    added = "\n".join(kept).rstrip()
+    source = prompt + "\n" + added
+else:  # written its own way: banned patterns are looked for in the lines not in the prompt
+    given = {line.strip() for line in prompt.splitlines()}
+    added = "\n".join(line for line in source.splitlines() if line.strip() not in given)
 if not added.strip():
     fail("empty solution")
 lowered = added.lower()

@@ -105,6 +105,23 @@ def test_the_peers_own_tasks_score_as_the_peer_scores_them(tmp_path):
         assert got["reward"] == pytest.approx(peer), (name, completion, got)
 
 
+def test_the_body_is_kept_as_the_peers_sanitiser_keeps_it(tmp_path):
+    """After the prompt, only the indented lines up to the first unindented one are the
+    completion (a self-check the agent appends is cut, as the peer cuts it); a file written
+    its own way is checked for banned patterns outside the prompt's own lines only."""
+    rows = {json.loads(line)["name"]: json.loads(line) for line in PEER_TASKS.read_text().splitlines()}  # fmt: skip
+    import_tasks(PEER_TASKS, tmp_path / "out")
+    folder, prompt = tmp_path / "out" / "sorting", rows["sorting"]["prompt"]
+    appended = prompt + INSERTION_SORT + "\nprint(sort_numbers([2, 1]) == sorted([2, 1]))\n"
+    assert _grade(folder, appended, tmp_path)["reward"] == 1.0
+    comments, signature = prompt.split("def ", 1)
+    own_way = comments.replace("Python.", "Python!") + "def " + signature + INSERTION_SORT
+    assert "sorted(" in own_way and not own_way.startswith(prompt)
+    assert _grade(folder, own_way, tmp_path)["reward"] == 1.0
+    cheat = "def sort_numbers(xs):\n    return sorted(xs)\n"
+    assert _grade(folder, cheat, tmp_path)["reward"] == -1.0
+
+
 def test_one_test_is_not_a_tuple_in_the_peers_harness(tmp_path):
     """The peer writes its tests into ``(t1, t2, ...)``: a single test is the list itself,
     so the loop runs over its numbers and every call fails (the peer's reward: 0)."""
