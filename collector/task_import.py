@@ -5,7 +5,9 @@ Sources, detected from the data itself (``--format`` forces one):
 - JSONL rows or a JSON array of records (the rllm JSON), each record one of: a prompt row
   (``prompt`` as text or chat messages + ``answer``), an LLM-in-Sandbox-RL row
   (:mod:`collector.task_formats.llm_in_sandbox`), a TRL + Daytona code task
-  (:mod:`collector.task_formats.trl_daytona`), or ``{"data_dir": ...}``;
+  (:mod:`collector.task_formats.trl_daytona`), an open-instruct dataset row whose
+  ``env_config`` names a task folder under ``task_data_dir``
+  (:mod:`collector.task_formats.open_instruct`), or ``{"data_dir": ...}``;
 - a task folder or a folder of them (Sandpiper or open-instruct layout).
 
 Every error names its record by 1-based number (``file:3`` for line 3, ``record 3`` for the
@@ -21,12 +23,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from collector.task_formats import llm_in_sandbox, trl_daytona
+from collector.task_formats import aviato, llm_in_sandbox, open_instruct, trl_daytona
 from collector.tasks import (
     _CONTEXT_KEYS,
+    OVERRIDE_KEYS,
     Task,
     _check_unique,
     _content_id,
@@ -77,9 +81,12 @@ def import_tasks(
     fmt: str = "auto",
     validation_fraction: float = 0.0,
     split_seed: int = 0,
+    task_data_dir: str | Path | None = None,
 ) -> list[Task]:
     """Normalise ``source`` into ``out_dir``: task folders plus a ``tasks.jsonl`` index
-    whose lines carry the split, so the collector sees the same split every run."""
+    whose lines carry the split, so the collector sees the same split every run.
+    ``task_data_dir`` holds the folders open-instruct rows name (default: the source's
+    folder)."""
     source, out = Path(source), Path(out_dir)
     if fmt not in FORMATS:
         raise TaskError(f"unknown task format {fmt!r} ({', '.join(FORMATS)})")
@@ -91,7 +98,10 @@ def import_tasks(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
     try:
         if source.is_file():
-            tasks = convert_records(read_records(source), staging, fmt, base=source.parent)
+            data_dir = Path(task_data_dir) if task_data_dir else source.parent
+            tasks = convert_records(
+                read_records(source), staging, fmt, base=source.parent, task_data_dir=data_dir
+            )
         else:
             tasks = load_tasks(source)
         _check_unique(tasks)
@@ -109,15 +119,24 @@ def import_tasks(
 
 
 def convert_records(
-    records: Iterable[tuple[str, dict[str, Any]]], out: Path, fmt: str, *, base: Path
+    records: Iterable[tuple[str, dict[str, Any]]],
+    out: Path,
+    fmt: str,
+    *,
+    base: Path,
+    task_data_dir: Path | None = None,
 ) -> list[Task]:
     """Convert every record (folder tasks are written under ``out``)."""
     tasks = []
     for where, row in records:
         if "data_dir" in row:
             task = load_task_folder(base / row["data_dir"])
+        elif open_instruct.is_row(row) and fmt in ("auto", "jsonl"):
+            task = open_instruct.row_task(row, where, task_data_dir or base)
         elif fmt == "trl_daytona" or (fmt == "auto" and trl_daytona.is_row(row)):
             task = _trl_task(row, out, where)
+        elif aviato.is_row(row) and fmt in ("auto", "jsonl"):
+            task = _aviato_task(row, out, where)
         elif llm_in_sandbox.is_row(row) and fmt in ("auto", "llm_in_sandbox"):
             task = _llm_in_sandbox_task(row, out, where)
         elif fmt == "llm_in_sandbox":
@@ -162,7 +181,10 @@ def _llm_in_sandbox_task(row: dict[str, Any], out: Path, where: str) -> Task:
         (documents / name).parent.mkdir(parents=True, exist_ok=True)
         (documents / name).write_text(text)
     (folder / "instruction.md").write_text(fields["instruction"])
-    _write_toml(folder / "task.toml", {**fields["reference"], "format": "llm_in_sandbox"})
+    meta = {**fields["reference"], "format": "llm_in_sandbox"}
+    if fields["image"]:
+        meta["image"] = fields["image"]
+    _write_toml(folder / "task.toml", meta)
     return load_task_folder(folder)
 
 
@@ -172,6 +194,14 @@ def _trl_task(row: dict[str, Any], out: Path, where: str) -> Task:
     meta = trl_daytona.write_task(row, folder, where)
     _write_toml(folder / "task.toml", meta)
     return load_task_folder(folder)
+
+
+def _aviato_task(row: dict[str, Any], out: Path, where: str) -> Task:
+    task_id = str(row.get("id") or _content_id(json.dumps(row["prompt"], sort_keys=True)))
+    folder = _task_folder(out, task_id, where)
+    meta, system = aviato.write_task(row, folder, where)
+    _write_toml(folder / "task.toml", meta)
+    return replace(load_task_folder(folder), system_prompt=system)
 
 
 _DOCUMENT_QA_INSTRUCTION = """{prompt}
@@ -231,4 +261,14 @@ def _index_row(task: Task, out: Path) -> dict[str, Any]:
     target = out / task.task_id
     if task.data_dir.resolve() != target.resolve():
         shutil.copytree(task.data_dir, target, dirs_exist_ok=True)
-    return {"data_dir": task.task_id, "split": task.split.value}
+    if not (target / "instruction.md").is_file():  # an open-instruct row held the prompt
+        (target / "instruction.md").write_text(task.instruction)
+    row = {"data_dir": task.task_id, "split": task.split.value}
+    # What the source said over the folder's own files (an open-instruct row's prompt and
+    # per-sample image) is kept in the index, which the collector reads the same way.
+    folder = load_task_folder(target)
+    for key, name in zip(OVERRIDE_KEYS, ("instruction", "system_prompt", "image"), strict=True):
+        value = getattr(task, name)
+        if value is not None and value != getattr(folder, name):
+            row[key] = value
+    return row

@@ -6,8 +6,11 @@ Sources the collector accepts (``collector.tasks`` in the config):
   ``instruction`` / ``messages``; text or a list of chat messages) and ``answer`` (or
   ``ground_truth`` / ``solution``), optional ``id``, ``reward`` (``math`` default, ``exact``,
   ``rouge``), ``banned_patterns``, ``split``. A line with ``data_dir`` points at a task folder
-  (relative to the file). Peers' rows that need files in the sandbox (LLM-in-Sandbox-RL,
-  TRL + Daytona) are converted first by ``sandpiper tasks import`` (:mod:`collector.task_import`).
+  (relative to the file; ``instruction``, ``system`` and ``image`` in that line replace the
+  folder's own). An open-instruct dataset row (``env_config``) names an open-instruct folder
+  next to the file. Peers' rows that need files in the sandbox (LLM-in-Sandbox-RL, TRL +
+  Daytona, Aviato) are converted first by ``sandpiper tasks import``
+  (:mod:`collector.task_import`).
 - **Task folder** (one per task)::
 
       <task_id>/instruction.md   what the agent is asked
@@ -190,6 +193,8 @@ def _check_unique(tasks: list[Task]) -> None:
 
 
 def _load_jsonl(path: Path) -> Iterator[Task]:
+    from collector.task_formats import open_instruct
+
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -202,7 +207,10 @@ def _load_jsonl(path: Path) -> Iterator[Task]:
                 raise TaskError(f"{path}:{lineno}: expected a JSON object")
             where = f"{path}:{lineno}"
             if "data_dir" in row:
-                task = load_task_folder(path.parent / row["data_dir"])
+                task = _with_overrides(load_task_folder(path.parent / row["data_dir"]), row, where)
+                yield _with_row_split(task, row, where)
+            elif open_instruct.is_row(row):
+                task = open_instruct.row_task(row, where, path.parent)
                 yield _with_row_split(task, row, where)
             elif needs_import(row):
                 raise TaskError(
@@ -213,10 +221,27 @@ def _load_jsonl(path: Path) -> Iterator[Task]:
                 yield task_from_row(row, source=path.name, where=where)
 
 
+OVERRIDE_KEYS = ("instruction", "system", "image")
+"""Fields of an index row with ``data_dir`` that replace the folder's own (an open-instruct
+dataset row's prompt and per-sample image, kept by ``sandpiper tasks import``)."""
+
+
+def _with_overrides(task: Task, row: dict[str, Any], where: str) -> Task:
+    changes = {}
+    for key, name in zip(OVERRIDE_KEYS, ("instruction", "system_prompt", "image"), strict=True):
+        if key in row:
+            if not isinstance(row[key], str) or not row[key].strip():
+                raise TaskError(f"{where}: field {key!r} must be non-empty text")
+            changes[name] = row[key]
+    return replace(task, **changes) if changes else task
+
+
 def needs_import(row: dict[str, Any]) -> str | None:
     """The peer format of a row that must be converted to a task folder first, if any."""
-    from collector.task_formats import llm_in_sandbox, trl_daytona
+    from collector.task_formats import aviato, llm_in_sandbox, trl_daytona
 
+    if aviato.is_row(row):
+        return "Aviato code"
     if llm_in_sandbox.is_row(row):
         return "LLM-in-Sandbox"
     if trl_daytona.is_row(row):
@@ -261,13 +286,14 @@ def _prompt(row: dict[str, Any], where: str) -> tuple[str, str | None]:
 def _chat_prompt(messages: list[Any], where: str) -> tuple[str, str | None]:
     system, user = [], []
     for i, message in enumerate(messages, 1):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+        if not isinstance(message, dict):
             raise TaskError(f"{where}: prompt message {i} must be an object with text 'content'")
+        content = _message_text(message.get("content"), f"{where}: prompt message {i}")
         role = message.get("role")
-        if role == "system":
-            system.append(message["content"])
+        if role in ("system", "developer"):  # OpenAI's newer name for the system role
+            system.append(content)
         elif role == "user":
-            user.append(message["content"])
+            user.append(content)
         else:
             raise TaskError(
                 f"{where}: prompt message {i} has role {role!r}; a task prompt may hold only "
@@ -276,6 +302,24 @@ def _chat_prompt(messages: list[Any], where: str) -> tuple[str, str | None]:
     if not "".join(user).strip():
         raise TaskError(f"{where}: the prompt messages hold no user message")
     return "\n\n".join(user), ("\n\n".join(system) if system else None)
+
+
+def _message_text(content: Any, where: str) -> str:
+    """A message's text: a string, or OpenAI's list of content parts (``{"type": "text",
+    "text": ...}``, joined); other parts (images, audio) cannot reach a text agent."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content, 1):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise TaskError(f"{where}: content part {j} is {kind!r}; only text parts are read")
+            if not isinstance(part.get("text"), str):
+                raise TaskError(f"{where}: content part {j} has no 'text'")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise TaskError(f"{where} must be an object with text 'content'")
 
 
 def missing_field(where: str, what: str, supported: Iterable[str], row: dict[str, Any]) -> str:
@@ -307,20 +351,7 @@ def load_task_folder(folder: str | Path) -> Task:
     if not instruction_file.is_file():
         raise TaskError(f"{folder}: no instruction.md")
     if open_instruct.is_folder(folder):
-        return Task(
-            task_id=_safe_id(folder.name, str(folder)),
-            instruction=instruction_file.read_text().strip(),
-            reference={"reward": "tests", "result_format": "reward_file"},
-            source=folder.parent.name,
-            format="open_instruct",
-            data_dir=folder,
-            image=open_instruct.image(folder),
-            files_subdir=open_instruct.SEEDS,
-            test_script=open_instruct.TEST_SCRIPT,
-            tests_dest=open_instruct.TESTS_DEST,
-            reward_file=open_instruct.REWARD_FILE,
-            result_format="reward_file",
-        )
+        return open_instruct.folder_task(folder)
     meta: dict[str, Any] = {}
     if (folder / "task.toml").is_file():
         try:

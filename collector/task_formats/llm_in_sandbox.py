@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -31,9 +32,13 @@ ROW_FIELDS = ("id", "problem_statement", "ground_truth", "domain", "input_files"
 SCORED_DOMAINS = ("math", "physics", "chem", "biomed", "instruct_pretrain", "long_context")
 REFUSED_DOMAINS = {
     "instruct_follow": (
-        "instruction-following rows are scored by the peer's own IFEval-style checker "
-        "(llm_in_sandbox.benchmark.instruct_follow); no maintained package on PyPI reproduces "
-        "it against this data, so these rows are refused rather than scored wrongly"
+        "the peer scores instruction following with IFBench's checker imported from a git "
+        "clone ($IFBENCH_PATH, instruct_follow/reward.py), and no maintained PyPI package "
+        "reproduces it offline: if-verifiable 0.1.2 scores some instructions differently and, "
+        "like nvidia-ifbench (which also pulls spaCy and LangChain), downloads NLTK data when "
+        "imported. Remove these rows before importing (docs/tasks.md has a jq line for JSONL "
+        "and for the rllm JSON), or grade them with your own IFBench checkout as a task "
+        "folder's tests/run.sh"
     )
 }
 
@@ -63,8 +68,13 @@ def is_row(row: dict[str, Any]) -> bool:
 
 def task_fields(row: dict[str, Any], where: str) -> dict[str, Any]:
     """Validate one row; returns instruction, reference and files (name -> text)."""
+    from collector.tasks import missing_field
+
     if is_rllm_record(row):
         row = from_rllm(row)
+    for name in ("problem_statement", "ground_truth", "domain"):
+        if name not in row:
+            raise TaskError(missing_field(where, f"field {name!r}", (name,), row))
     problem = row.get("problem_statement")
     if not isinstance(problem, str) or not problem.strip():
         raise TaskError(f"{where}: field 'problem_statement' is missing or empty")
@@ -96,7 +106,18 @@ def task_fields(row: dict[str, Any], where: str) -> dict[str, Any]:
         ),
         "reference": reference,
         "files": input_files(row.get("input_files"), where),
+        "image": _image(row.get("docker_image"), where),
     }
+
+
+def _image(value: Any, where: str) -> str | None:
+    """``docker_image``, which the peer's ``LLMinSandboxEnv.from_dict`` takes from a record
+    (default ``cdx123/llm-in-sandbox:v0.1``); here it must name a local podman image."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise TaskError(f"{where}: field 'docker_image' must be an image name, got {value!r}")
+    return value.strip()
 
 
 def input_files(raw: Any, where: str) -> dict[str, str]:
@@ -133,58 +154,115 @@ def safe_file_name(name: str, where: str) -> str:
 
 
 # ---- reward, as the peer's instruct_pretrain reward routes it ------------------------------
+# The peer's rllm environment always scores with ``benchmark/instruct_pretrain/reward.py``,
+# which routes by domain to its ``math``, ``chem`` and ``biomed`` scorers. Each function below
+# reproduces one of them, decision for decision (tests/unit/test_llm_in_sandbox_reward.py
+# holds the peer's cases).
 
 
 def score(answer: str | None, truth: str, domain: str, qa_type: str | None) -> float:
     """The peer's reward for one answer (``compute_score`` of ``instruct_pretrain``)."""
-    from collector.rewards import math_equal, rouge
+    from collector.rewards import rouge
 
-    if not answer or not answer.strip() or not truth:
+    if not answer or not truth:
         return 0.0
     answer, truth, domain = answer.strip(), truth.strip(), domain.lower()
     if domain.startswith(("math", "physics")):
-        return float(math_equal(truth, answer))
-    if domain.startswith(("chem", "biomed")):
-        return float(choice_letter(answer) == choice_letter(truth) != "")
+        return math_score(answer, truth)
+    if domain.startswith(("chem", "biomed")):  # the two scorers are the same code
+        return letter_score(answer, truth)
     kind = question_type(qa_type, truth)
     if kind == "multiple_choice_single_answer":
-        return float(choice_letter(answer) == choice_letter(truth) != "")
+        return letter_score(answer, truth)
     if kind == "multiple_choice_multiple_answers":
         return _choices_f1(answer, truth)
-    if math_equal(truth, answer):  # open-ended: math first, then ROUGE-L F-measure
+    if math_score(answer, truth) > 0:  # open-ended: math first, then ROUGE-L F-measure
         return 1.0
     return rouge(truth, answer, "rougeL")
+
+
+def math_score(answer: str, truth: str) -> float:
+    """The peer's math scorer: the last ``\\boxed{}`` of the answer (else the whole answer)
+    and the truth, each wrapped in ``\\boxed{}``, compared by math-verify with LaTeX extraction
+    for the truth and expression-then-LaTeX extraction for the answer. A bare sentence such as
+    "The answer is 42" therefore scores 0, as it does for the peer."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    # math-verify's timeouts use SIGALRM, which only works in the main thread.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    try:
+        gold = parse("\\boxed{" + truth + "}", (LatexExtractionConfig(),), parsing_timeout=timeout)
+        if not gold:  # the peer's metric raises here and its scorer returns 0
+            return 0.0
+        pred = parse(
+            "\\boxed{" + last_boxed(answer) + "}",
+            (ExprExtractionConfig(), LatexExtractionConfig()),
+            parsing_timeout=timeout,
+        )
+        return float(bool(verify(gold, pred, 6, timeout_seconds=timeout)))
+    except Exception:  # the peer scores any failure of math-verify as 0
+        return 0.0
+
+
+def last_boxed(text: str) -> str:
+    """The content of the last ``\\boxed{...}`` (nested braces allowed), stripped; the
+    stripped text itself when there is none or its braces never close."""
+    start = text.rfind("\\boxed{")
+    if start == -1:
+        return text.strip()
+    depth, i = 1, start + len("\\boxed{")
+    while i < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return text[start + len("\\boxed{") : i - 1].strip() if depth == 0 else text.strip()
+
+
+def letter_score(answer: str, truth: str) -> float:
+    """The peer's multiple-choice scorer (biomed and chem): the whole answer equal to the
+    truth (any case), else the option letter :func:`choice_letter` finds equal to it."""
+    if answer.strip().upper() == truth.strip().upper():
+        return 1.0
+    return float(choice_letter(answer) == truth.strip().upper())
+
+
+_JSON_ANSWER = re.compile(r'"answer"\s*:\s*"([A-Z])"', re.IGNORECASE)
+_ANSWER_COLON = re.compile(r"answer\s*[:：]\s*([A-Z])\b", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"(?:answer|choice)\s+is\s+([A-Z])\b", re.IGNORECASE)
+_LONE_LETTER = re.compile(r"\b([A-Z])\b")
+
+
+def choice_letter(text: str) -> str:
+    """The option letter an answer names, tried in the peer's order: ``"answer": "C"``,
+    ``Answer: C``, ``the answer is C`` / ``the choice is C`` (any case), the first letter of
+    the last ``\\boxed{}``, the last standalone letter, the answer's first letter; "" if none."""
+    if not text:
+        return ""
+    for pattern in (_JSON_ANSWER, _ANSWER_COLON, _ANSWER_IS):
+        found = pattern.search(text)
+        if found:
+            return found.group(1).upper()
+    boxed = last_boxed(text)
+    if boxed != text.strip() and boxed and boxed[0].upper().isalpha():
+        return boxed[0].upper()
+    letters = _LONE_LETTER.findall(text.upper())
+    if letters:
+        return letters[-1]
+    stripped = text.strip()
+    return stripped[0].upper() if stripped and stripped[0].upper().isalpha() else ""
 
 
 def question_type(qa_type: str | None, truth: str) -> str:
     if not qa_type:
         return "open_ended"
-    lowered = qa_type.lower()
-    if "multiple choice" in lowered:
+    if "multiple choice" in qa_type.lower():
         return (
             "multiple_choice_multiple_answers" if "," in truth else "multiple_choice_single_answer"
         )
     return "open_ended"
 
 
-_LETTER_PATTERNS = (
-    re.compile(r"\\boxed\{\s*\(?([A-J])\)?\s*\}"),
-    re.compile(r"(?i:answer)\s*(?:is|IS|Is|:)?\s*[:\s]*\(?\**([A-J])\b"),
-    re.compile(r"^\s*\(?([A-J])\)?[\s.:)]*$"),
-    re.compile(r"^\s*\(?([A-J])[.):]"),
-)
-
-
-def choice_letter(text: str) -> str:
-    """The option letter an answer names ("B", "(B)", "The answer is B", "\\boxed{B}")."""
-    for pattern in _LETTER_PATTERNS:
-        found = pattern.findall(text)
-        if found:
-            return found[-1].upper()
-    return ""
-
-
 def _choices_f1(answer: str, truth: str) -> float:
+    """Several correct options: F1 of the comma-separated answer against the truth."""
     chosen = {c.strip().upper() for c in answer.split(",") if c.strip()}
     gold = {c.strip().upper() for c in truth.split(",") if c.strip()}
     if not chosen or not gold:

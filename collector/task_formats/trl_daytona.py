@@ -5,11 +5,16 @@ completed), ``func_name``, ``banned_patterns`` (plain substrings, matched case-i
 ``p.lower() in text.lower()``), ``tests`` (Python expressions giving each test input) and
 ``reference`` (an expression naming the reference function, e.g. ``sorted``). Its reward:
 **-1** for an error, a timeout or a banned pattern; otherwise the fraction of tests whose
-output equals the reference's (0 when there are no tests).
+output equals the reference's (0 when there are no tests). As in the peer's harness, the
+tests and the reference are evaluated in the solution's module namespace beside ``json``,
+``random`` (seeded with 0) and ``_kadane`` (the reference its ``max_subarray`` task names); a
+call that raises fails that test only (0 for it, not -1); and the tests are one
+parenthesised expression, so a single test is the list itself, not a one-test tuple.
 
-Here the agent writes the whole function to ``/workspace/solution.py`` and submits; at
-submit a harness (in the task's ``tests/``) checks the banned substrings in what the agent
-added to the prompt, runs the tests against the reference exactly as the peer's harness does
+Here the agent writes the prompt and the body it adds to ``/workspace/solution.py`` and
+submits; at submit a harness (in the task's ``tests/``) keeps the body as the peer's
+sanitiser does (the indented lines after the prompt), checks the banned substrings in it,
+runs the tests against the reference exactly as the peer's harness does
 (``random.seed(0)``, ``xs.copy()``), and writes the reward to ``$SANDPIPER_RESULT_FILE``
 (``result_file`` format). Known limit (docs/security.md): the harness runs the solution in
 its own process, as the peer does, so solution code can overwrite that file; a task that
@@ -30,8 +35,8 @@ TIMEOUT_S = 5
 """The harness's own limit on running the solution and its tests (the peer uses 1 s on
 Daytona; a cold Python in a loaded container needs more): past it the reward is -1."""
 
-INSTRUCTION = """Complete the Python function below. Write the complete function (its \
-signature and body) to {solution}, then call `submit`.
+INSTRUCTION = """Complete the Python function below. Write the code below to {solution} \
+unchanged, followed by the function's body (indented four spaces), then call `submit`.
 
 ```python
 {prompt}
@@ -43,7 +48,6 @@ import json
 import os
 import random
 import signal
-import sys
 
 SPEC = json.load(open(os.path.join(os.path.dirname(__file__), "task.json")))
 
@@ -59,14 +63,27 @@ def emit(result):
 
 def fail(why):
     emit({"reward": -1.0, "error": why})
-    sys.exit(0)
+    os._exit(0)  # not SystemExit: the solution's code could catch that
 
 
 try:
     source = open(SPEC["solution"]).read()
 except OSError as e:
     fail(f"no solution: {e}")
-added = source[len(SPEC["prompt"]):] if source.startswith(SPEC["prompt"]) else source
+prompt = SPEC["prompt"]
+if source.startswith(prompt):
+    # The peer's completion setting: the body follows the prompt; like its sanitiser, keep
+    # the lines up to the first unindented one, and grade prompt + "\n" + body.
+    kept = []
+    for line in source[len(prompt):].splitlines():
+        if line and not line.startswith("    "):
+            break
+        kept.append(line)
+    added = "\n".join(kept).rstrip()
+    source = prompt + "\n" + added
+else:  # written its own way: banned patterns are looked for in the lines not in the prompt
+    given = {line.strip() for line in prompt.splitlines()}
+    added = "\n".join(line for line in source.splitlines() if line.strip() not in given)
 if not added.strip():
     fail("empty solution")
 lowered = added.lower()
@@ -76,28 +93,40 @@ if hits:
 # The peer gives the whole run a timeout and scores it -1.
 signal.signal(signal.SIGALRM, lambda *_: fail(f"timed out after {SPEC['timeout_s']} s"))
 signal.alarm(SPEC["timeout_s"])
-namespace = {"__name__": "solution"}
+# The peer runs prompt + completion + its harness as one __main__ module: the tests and the
+# reference are evaluated in the solution's namespace, after the harness's own names
+# (json, random seeded with 0, and the _kadane reference of its max_subarray task).
+namespace = {"__name__": "__main__"}
 try:
     exec(compile(source, SPEC["solution"], "exec"), namespace)
-    func = namespace[SPEC["func_name"]]
-except Exception as e:
+except BaseException as e:  # an error at module level: the peer's run reports an error
     fail(f"{type(e).__name__}: {e}")
+
+
+def _kadane(xs):
+    best = current = xs[0]
+    for x in xs[1:]:
+        current = max(x, current + x)
+        best = max(best, current)
+    return best
+
+
+namespace.update(json=json, random=random, _kadane=_kadane)
 random.seed(0)
-env = {"random": random}
-try:
-    tests = [eval(t, env) for t in SPEC["tests"]]
-    reference = eval(SPEC["reference"], env)
-except Exception as e:
-    fail(f"test inputs: {type(e).__name__}: {e}")
-results = []
-for xs in tests:
-    try:
-        results.append(func(xs.copy()) == reference(xs.copy()))
-    except Exception:
-        results.append(False)
+try:  # the peer's tests are one parenthesised expression, so one test is not a tuple
+    tests = eval("(" + ",\n".join(SPEC["tests"]) + ")", namespace)
+    results = []
+    for xs in tests:
+        try:
+            out = eval(SPEC["func_name"], namespace)(xs.copy())
+            results.append(out == eval(SPEC["reference"], namespace)(xs.copy()))
+        except Exception:
+            results.append(False)
+except BaseException as e:
+    fail(f"{type(e).__name__}: {e}")
 signal.alarm(0)
-reward = sum(results) / len(results) if results else 0.0
-emit({"reward": reward, "passed": sum(results), "total": len(results)})
+passed = sum(bool(r) for r in results)
+emit({"reward": passed / len(results) if results else 0.0, "passed": passed, "total": len(results)})
 '''
 
 
@@ -107,11 +136,11 @@ def is_row(row: dict[str, Any]) -> bool:
 
 def write_task(row: dict[str, Any], folder: Path, where: str) -> dict[str, Any]:
     """Write the task folder for one row; returns the ``task.toml`` data."""
+    from collector.tasks import missing_field
+
     for name in FIELDS:
         if name not in row:
-            raise TaskError(
-                f"{where}: field {name!r} is missing (TRL tasks need {', '.join(FIELDS)})"
-            )
+            raise TaskError(missing_field(where, f"field {name!r}", (name,), row))
     prompt, func_name = row["prompt"], row["func_name"]
     if not isinstance(prompt, str) or not prompt.strip():
         raise TaskError(f"{where}: field 'prompt' must be the function's code to complete")

@@ -12,7 +12,8 @@ A task's tests report their result in one declared format (``result_format`` in
   counts. Anything the code under test prints without the tag is ignored.
 - ``reward_file``: the tests write a number to a path the task format names (open-instruct:
   ``/logs/verifier/reward.txt``); the grader empties that folder before the tests run and
-  only the tests' uid can write it. Clamped to [0, 1] as open-instruct does; no number → 0.
+  only the tests' uid can write it. The whole file must be one number (``"1\\n"``, ``" 0.5 "``;
+  ``"1 passed"`` is not), clamped to [0, 1] as open-instruct does; anything else → 0.
 - ``exit_status``: 0 → 1.0, anything else → 0.0. Only for tasks that declare it: any code
   that can end the test process early (``os._exit(0)`` at import) can forge it.
 
@@ -53,10 +54,10 @@ def reward_from_result(
     if result_format == "reward_file":
         if result_text is None:
             return 0.0, {"format": result_format, "error": result_error or "no reward file"}
-        try:
-            value = float(result_text.strip().split()[0])
-        except (ValueError, IndexError):
-            return 0.0, {"format": result_format, "error": "no number in the reward file"}
+        try:  # the whole file is one number, as open-instruct's float(text.strip()) reads it
+            value = float(result_text.strip())
+        except ValueError:
+            return 0.0, {"format": result_format, "error": "the reward file is not one number"}
         if not math.isfinite(value):
             return 0.0, {"format": result_format, "error": "the reward is not finite"}
         return max(0.0, min(1.0, value)), {"format": result_format, "raw": result_text[:64]}

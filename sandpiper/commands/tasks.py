@@ -27,19 +27,28 @@ def register(app: typer.Typer) -> None:
             float, typer.Option(help="Fraction of tasks hashed into the validation split.")
         ] = 0.0,
         split_seed: Annotated[int, typer.Option(help="Seed of the hash split.")] = 0,
+        task_data_dir: Annotated[
+            Path | None,
+            typer.Option(
+                help="Folder of the task folders open-instruct rows name by task_id "
+                "(default: the source's folder)."
+            ),
+        ] = None,
     ) -> None:
         """Write task folders and a ``tasks.jsonl`` index (with each task's split) to OUT.
 
         Reads peers' data as they write it, detected per record: Sandpiper JSONL (text or
-        chat-message prompts), open-instruct task folders, LLM-in-Sandbox-RL rows and the
+        chat-message prompts), open-instruct task folders and dataset rows (env_config),
+        LLM-in-Sandbox-RL rows and the
         rllm JSON array, TRL + Daytona code tasks (see docs/tasks.md). OUT must be new or
         empty; nothing is written unless every record converts."""
         from collector.tasks import import_tasks
 
         with cli_errors():
             tasks = import_tasks(
-                source, out, fmt=fmt, validation_fraction=validation_fraction, split_seed=split_seed
-            )
+                source, out, fmt=fmt, validation_fraction=validation_fraction,
+                split_seed=split_seed, task_data_dir=task_data_dir,
+            )  # fmt: skip
         n_val = sum(t.split.value == "validation" for t in tasks)
         typer.echo(f"imported {len(tasks)} tasks into {out} ({n_val} validation)")
 

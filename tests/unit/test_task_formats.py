@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,13 +23,25 @@ from store.records import StopReason
 from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, FakeSandbox, FakeToolbox, ScriptedPolicy
 
 OPEN_INSTRUCT_TEST_SH = """#!/bin/bash
-cd /workspace
-if python3 -c "from calc import add; assert add(2, 3) == 5"; then
-  echo 1 > /logs/verifier/reward.txt
+set -e
+mkdir -p /logs/verifier
+
+cat << 'TEST_EOF' > /tmp/test_final_state.py
+import sys
+sys.path.insert(0, "/workspace")
+from calc import add
+assert add(2, 3) == 5
+TEST_EOF
+
+if python3 /tmp/test_final_state.py 2>&1; then
+    echo "1" > /logs/verifier/reward.txt
 else
-  echo 0 > /logs/verifier/reward.txt
+    echo "0" > /logs/verifier/reward.txt
 fi
 """
+"""Shaped as open-instruct's SWERL converter writes test.sh (``set -e``, ``mkdir -p
+/logs/verifier``, the test written to /tmp, exit 0 either way); python3 runs the test file
+where the converter runs pytest, which the sandbox image does not ship."""
 
 
 def open_instruct_task(root: Path, name: str = "fix-add", *, test_sh: bool = True) -> Path:
@@ -97,6 +106,7 @@ LIS_ROWS = [
         "ground_truth": "B",
         "domain": "biomed",
         "input_files": None,
+        "docker_image": "localhost/lis:1",
     },
 ]
 
@@ -104,6 +114,8 @@ LIS_ROWS = [
 def rllm_record(row: dict) -> dict:
     """What the peer's convert_llm_sandbox_dataset.py writes for one dataset row."""
     extra = {k: row[k] for k in ("id", "domain", "problem_statement", "ground_truth")}
+    if row.get("docker_image"):  # a key LLMinSandboxEnv.from_dict reads from extra_info
+        extra["docker_image"] = row["docker_image"]
     if row.get("input_files"):
         extra["input_files"] = row["input_files"]
     if row.get("qa_type"):
@@ -133,6 +145,7 @@ def test_llm_in_sandbox_rows_and_rllm_json(tmp_path, shape):
     }  # fmt: skip
     assert "/workspace/documents/" in lc.instruction and "/workspace/answer.txt" in lc.instruction
     assert bio.reference["domain"] == "biomed" and lc.format == "llm_in_sandbox"
+    assert lc.image is None and bio.image == "localhost/lis:1"  # the record's docker_image
 
 
 def test_llm_in_sandbox_answer_file_is_scored_by_domain(tiny_tokenizer, tmp_path):
@@ -155,11 +168,21 @@ def test_llm_in_sandbox_answer_file_is_scored_by_domain(tiny_tokenizer, tmp_path
 
 
 def test_llm_in_sandbox_instruction_following_is_refused_clearly(tmp_path):
-    row = {**LIS_ROWS[1], "domain": "instruct_follow", "id": "if-1"}
+    """The peer's instruct_follow rows: ground_truth is IFBench's instruction ids and kwargs
+    as a JSON string. No maintained package reproduces the peer's checker (docs/tasks.md),
+    so the import stops, says why and what to do, and writes nothing."""
+    truth = {"instruction_id_list": ["count:word_count_range"], "kwargs": [{"min_words": 40, "max_words": 60}]}  # fmt: skip
+    row = {
+        "id": "if-1", "domain": "instruct_follow", "ground_truth": json.dumps(truth),
+        "problem_statement": "Describe the Franks. The response must contain between 40 and 60 words.",
+    }  # fmt: skip
     src = tmp_path / "rows.jsonl"
     src.write_text(json.dumps(LIS_ROWS[0]) + "\n" + json.dumps(row) + "\n")
-    with pytest.raises(TaskError, match=r"rows.jsonl:2: domain 'instruct_follow' is not supported"):
+    with pytest.raises(TaskError) as refused:
         import_tasks(src, tmp_path / "out")
+    message = str(refused.value)
+    assert message.startswith(f"{src}:2: domain 'instruct_follow' is not supported")
+    assert "IFBench" in message and "Remove these rows" in message
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["rows.jsonl"]  # nothing half-written
 
@@ -172,66 +195,6 @@ def test_bad_document_file_name_says_file_name_with_a_1_based_record(tmp_path):
     with pytest.raises(TaskError, match=r"record 2: input file name '../escape.txt' must be a"):
         import_tasks(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-
-
-# ---- TRL + Daytona -------------------------------------------------------------------------
-
-TRL_TASK = {
-    "id": "sorting",
-    "prompt": 'def sort_numbers(xs: list[int]) -> list[int]:\n    """Sort a list of integers."""\n',
-    "func_name": "sort_numbers",
-    "banned_patterns": ["sorted(", ".sort(", "heapq", "import ", "__import__"],
-    "tests": ["[]", "[1, 3, 2]", "[random.randint(-1000, 1000) for _ in range(200)]"],
-    "reference": "sorted",
-}
-INSERTION_SORT = """    out = []
-    for x in xs:
-        i = 0
-        while i < len(out) and out[i] < x:
-            i += 1
-        out.insert(i, x)
-    return out
-"""
-
-
-def _grade(folder: Path, solution: str, tmp_path: Path) -> dict:
-    """Run the task's harness on ``solution`` as submit does (with a local solution path)."""
-    spec_file = folder / "tests" / "task.json"
-    spec = json.loads(spec_file.read_text())
-    path = tmp_path / "solution.py"
-    path.write_text(solution)
-    spec_file.write_text(json.dumps({**spec, "solution": str(path)}))
-    result = tmp_path / "result.json"
-    result.unlink(missing_ok=True)
-    subprocess.run(
-        [sys.executable, str(folder / "tests" / "harness.py")], capture_output=True, text=True,
-        env={**os.environ, "SANDPIPER_RESULT_FILE": str(result)},
-    )  # fmt: skip
-    return json.loads(result.read_text())
-
-
-def test_trl_daytona_task_rewards_as_trl_does(tmp_path):
-    src = tmp_path / "tasks.jsonl"
-    src.write_text(json.dumps(TRL_TASK) + "\n")
-    (task,) = import_tasks(src, tmp_path / "out")
-    assert task.format == "trl_daytona" and task.reference["reward"] == "tests"
-    assert "/workspace/solution.py" in task.instruction and TRL_TASK["prompt"] in task.instruction
-    folder = tmp_path / "out" / "sorting"
-    good = _grade(folder, TRL_TASK["prompt"] + INSERTION_SORT, tmp_path)
-    assert good == {"reward": 1.0, "passed": 3, "total": 3}
-    banned = _grade(folder, TRL_TASK["prompt"] + "    return SORTED(xs)\n", tmp_path)
-    assert banned["reward"] == -1.0 and "banned" in banned["error"]  # literal, any case
-    wrong = _grade(folder, TRL_TASK["prompt"] + "    return list(xs)\n", tmp_path)
-    assert wrong["reward"] == pytest.approx(1 / 3)  # [] is already sorted
-    broken = _grade(folder, TRL_TASK["prompt"] + "    return xs[\n", tmp_path)
-    assert broken["reward"] == -1.0
-
-
-def test_trl_row_with_a_bad_test_expression_is_refused(tmp_path):
-    src = tmp_path / "tasks.jsonl"
-    src.write_text(json.dumps({**TRL_TASK, "tests": ["[1, 2"]}) + "\n")
-    with pytest.raises(TaskError, match=r"tasks.jsonl:1: test 1 is not a Python expression"):
-        import_tasks(src, tmp_path / "out")
 
 
 # ---- chat-message prompts and import errors -------------------------------------------------
@@ -268,3 +231,167 @@ def test_missing_field_names_the_nearest_supported_one(tmp_path):
     with pytest.raises(TaskError, match="not empty"):
         import_tasks(tmp_path / "t.jsonl", tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+# ---- open-instruct dataset rows (env_config) ------------------------------------------------
+
+OI_SYSTEM = "You are a helpful coding assistant. You have access to a bash terminal."
+OI_TEST_SH = """#!/bin/bash
+set -e
+mkdir -p /logs/verifier
+
+cat << 'TEST_EOF' > /tmp/test_final_state.py
+def test_done():
+    assert open('/workspace/out.txt').read().strip() == 'ok'
+TEST_EOF
+
+if python3 -m pytest /tmp/test_final_state.py -x --tb=short 2>&1; then
+    echo "1" > /logs/verifier/reward.txt
+else
+    echo "0" > /logs/verifier/reward.txt
+fi
+"""
+
+
+def open_instruct_rows(root: Path) -> Path:
+    """What open-instruct's SWERL converter writes: task data (instruction.md, tests/test.sh,
+    setup.sh from the container's %post, no image.txt) and dataset rows whose env_config
+    names the task and its image, in the flat and the nested shape."""
+    data = root / "task-data.tar.gz.extracted"
+    for task_id in ("tmax-001", "tmax-002"):
+        (data / task_id / "tests").mkdir(parents=True)
+        (data / task_id / "instruction.md").write_text(
+            f"Write ok to /workspace/out.txt ({task_id})"
+        )
+        (data / task_id / "tests" / "test.sh").write_text(OI_TEST_SH)
+        (data / task_id / "setup.sh").write_text("#!/bin/bash\nset -e\npip install pytest\n")
+    (data / "tmax-002" / "image.txt").write_text("localhost/from-image-txt:1\n")
+
+    def row(task_id, env_config):
+        return {
+            "messages": [
+                {"role": "system", "content": OI_SYSTEM},
+                {"role": "user", "content": f"Write ok to /workspace/out.txt please ({task_id})"},
+            ],
+            "ground_truth": task_id, "dataset": "passthrough", "env_config": env_config,
+            "source": "tmax_skill_taxonomy",
+        }  # fmt: skip
+
+    rows = [
+        row("tmax-001", {"env_name": "swerl_sandbox", "task_id": "tmax-001", "image": "py:3.12"}),
+        row(
+            "tmax-002",
+            {
+                "env_configs": [
+                    {"env_name": "guess_number", "image": "", "task_id": "", "number": "3"},
+                    {
+                        "env_name": "swerl_sandbox",
+                        "image": "localhost/per-row:2",
+                        "task_id": "tmax-002",
+                    },
+                ],
+                "max_steps": 50,
+            },
+        ),
+    ]
+    src = root / "swerl.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return src
+
+
+def test_open_instruct_rows_use_their_prompt_and_per_row_image(tmp_path):
+    src = open_instruct_rows(tmp_path)
+    data = tmp_path / "task-data.tar.gz.extracted"
+    one, two = import_tasks(src, tmp_path / "out", task_data_dir=data)
+    assert (one.task_id, two.task_id) == ("tmax-001", "tmax-002")
+    # the per-sample image wins over image.txt, as SWERLSandboxEnv._do_reset resolves it
+    assert (one.image, two.image) == ("py:3.12", "localhost/per-row:2")
+    # the prompt is the row's messages (open-instruct discards the reset observation)
+    assert one.instruction == "Write ok to /workspace/out.txt please (tmax-001)"
+    assert one.system_prompt == OI_SYSTEM and one.format == "open_instruct"
+    assert one.reward_file == "/logs/verifier/reward.txt" and one.tests_dest == "/tests"
+    assert one.setup_script == tmp_path / "out" / "tmax-001" / "setup.sh"
+    assert one.resolved_test_command == 'bash "$TESTS_DIR/test.sh"'
+    one.check()
+    # read directly by the collector, the rows name folders next to the rows file
+    (data / "swerl.jsonl").write_text(src.read_text())
+    direct, _ = load_tasks(data / "swerl.jsonl")
+    assert direct.image == "py:3.12" and direct.system_prompt == OI_SYSTEM
+
+
+def test_open_instruct_row_errors_are_clear_and_leave_nothing(tmp_path):
+    src = open_instruct_rows(tmp_path)
+    with pytest.raises(TaskError, match=r"swerl.jsonl:1: no task folder .*--task-data-dir"):
+        import_tasks(src, tmp_path / "out")  # the task data is not next to the rows
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "swerl.jsonl",
+        "task-data.tar.gz.extracted",
+    ]
+    bad = {"messages": "x", "env_config": {"env_name": "wordle_text_env", "word": "crane"}}
+    src.write_text(src.read_text() + json.dumps(bad) + "\n")
+    data = tmp_path / "task-data.tar.gz.extracted"
+    with pytest.raises(TaskError, match=r"swerl.jsonl:3: env_config has no 'swerl_sandbox'"):
+        import_tasks(src, tmp_path / "out", task_data_dir=data)
+
+
+@pytest.mark.parametrize(
+    ("text", "reward"),
+    [("1\n", 1.0), (" 0.5 \n", 0.5), ("2", 1.0), ("-3", 0.0), ("1 passed", 0.0), ("", 0.0)],
+)
+def test_reward_txt_is_read_as_open_instruct_reads_it(text, reward):
+    """``float(stdout.strip())`` clamped to [0, 1]; anything that is not one number → 0."""
+    from collector.tools.reward import reward_from_result
+
+    got, _ = reward_from_result("reward_file", result_text=text, stdout="", exit_code=0, secret="s")
+    assert got == reward
+
+
+def test_a_bad_banned_pattern_is_one_invalid_episode(tiny_tokenizer, tmp_path):
+    """A row whose banned_patterns is not a list of strings: the episode is invalid with its
+    error (task_error), never a valid 0 and never an abort."""
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps({"prompt": "2+2?", "answer": "4", "banned_patterns": "rm"}) + "\n")
+    (task,) = load_tasks(src)
+    sandbox = FakeSandbox()
+    submit = '<tool_call>{"name": "submit", "arguments": {"answer": "4"}}</tool_call>'
+    episode = asyncio.run(
+        run_episode(
+            episode_id="e", sample_index=0, task=task,
+            policy=TokenPolicy(ScriptedPolicy(tiny_tokenizer, [submit]),
+                               ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)),
+            sandbox=sandbox, toolbox=FakeToolbox(sandbox), limits=EpisodeLimits(),
+        )
+    )  # fmt: skip
+    assert episode.stop_reason is StopReason.TASK_ERROR and not episode.valid
+    assert episode.reward is None and "banned_patterns" in episode.error
+
+
+def test_openai_content_parts_and_developer_role(tmp_path):
+    """OpenAI-style messages: content as a list of text parts, ``developer`` as the system
+    role; a part that is not text is refused with its row and message number."""
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "2+2?"}]
+    row = {
+        "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}],
+        "answer": "4",
+    }  # fmt: skip
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    bad = {"messages": [{"role": "user", "content": [image]}], "answer": "4"}
+    src = tmp_path / "openai.jsonl"
+    src.write_text(json.dumps(row) + "\n")
+    (task,) = load_tasks(src)
+    assert task.instruction == "What is\n2+2?" and task.system_prompt == "Be brief."
+    src.write_text(json.dumps(row) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(
+        TaskError, match=r"openai.jsonl:2: prompt message 1: content part 1 is 'image_url'"
+    ):
+        load_tasks(src)
+
+
+def test_llm_in_sandbox_record_missing_a_field_names_the_nearest_one(tmp_path):
+    record = rllm_record(LIS_ROWS[1])
+    record["extra_info"]["domian"] = record["extra_info"].pop("domain")
+    src = tmp_path / "train_verl.json"
+    src.write_text(json.dumps([rllm_record(LIS_ROWS[0]), record]))
+    with pytest.raises(TaskError, match=r"record 2: no field 'domain' .*'domian': did you mean"):
+        import_tasks(src, tmp_path / "out")

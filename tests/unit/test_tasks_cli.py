@@ -72,9 +72,14 @@ def test_shipped_peer_samples_import_unchanged(tmp_path):
             "max-subarray": ("trl_daytona", "tests"),
         },
         "chat_prompts.jsonl": {"chat-add": ("jsonl_math", "math")},
+        "open_instruct/swerl_rows.jsonl": {"fix-add": ("open_instruct", "tests")},
+        "aviato_trl_grpo.jsonl": {
+            "t-231358ee446c": ("aviato", "tests"),
+            "t-c92a3c729377": ("aviato", "tests"),
+        },
     }
     for name, tasks in expected.items():
-        out = tmp_path / name.replace(".", "_")
+        out = tmp_path / name.replace(".", "_").replace("/", "_")
         result = runner.invoke(
             app, ["tasks", "import", str(REPO / "tasks/peers" / name), "-o", str(out)]
         )
@@ -84,3 +89,20 @@ def test_shipped_peer_samples_import_unchanged(tmp_path):
             line.split("\t")[0]: tuple(line.split("\t")[2:]) for line in listed.output.splitlines()
         }
         assert rows == tasks, name
+
+
+def test_tasks_import_open_instruct_rows_with_task_data_dir(tmp_path):
+    from tests.unit.test_task_formats import open_instruct_rows
+
+    src = open_instruct_rows(tmp_path)
+    out = tmp_path / "out"
+    data = tmp_path / "task-data.tar.gz.extracted"
+    args = ["tasks", "import", str(src), "--out", str(out), "--task-data-dir", str(data)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    index = [json.loads(line) for line in (out / "tasks.jsonl").read_text().splitlines()]
+    assert [(row["data_dir"], row["image"]) for row in index] == [
+        ("tmax-001", "py:3.12"), ("tmax-002", "localhost/per-row:2"),
+    ]  # fmt: skip
+    listed = runner.invoke(app, ["tasks", "list", str(out)])
+    assert listed.output.splitlines()[0] == "tmax-001\ttrain\topen_instruct\ttests"
