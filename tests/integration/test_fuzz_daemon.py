@@ -7,13 +7,14 @@ pre-created answer and test paths of every kind, chmod 000, kill -9 -1, SIGSTOP 
 process, calls to tools not offered, ...).
 
 Asserted: the daemon returns normally (0 crashes) after at least ``FUZZ_TURNS`` (10,000)
-sampled turns; every episode scheduled is stored (episodes in the store == groups scheduled
-x group size); every episode is valid (a hostile turn is the policy's outcome, never an
+sampled turns (then it is stopped, and the groups in flight finish); every episode that
+started is stored (first turns seen by the policy == episodes in the store == stored groups
+x group size) and every sampled turn too; every episode is valid (a hostile turn is the policy's outcome, never an
 infra failure, and never a collector bug); the tests-graded task, whose wrong solution the
 fuzz never fixes, pays 0 everywhere; no container is left.
 
 Cost: about 3 minutes on the 2-core CI machine (measured: see the PR / README figure).
-``SANDPIPER_FUZZ_TURNS`` / ``SANDPIPER_FUZZ_GROUPS`` shrink it for a quick local run.
+``SANDPIPER_FUZZ_TURNS`` shrinks it for a quick local run.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from tests.fixtures.fuzz import FuzzPolicy
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 FUZZ_TURNS = int(os.environ.get("SANDPIPER_FUZZ_TURNS", 10_000))
-GROUPS = int(os.environ.get("SANDPIPER_FUZZ_GROUPS", 96))
 GROUP_SIZE = 2
 RUN = "fuzz"
 GOOD = "def add(a, b):\n    return a - b\n"
@@ -78,13 +78,13 @@ def _config(tmp_path: Path) -> RunConfig:
         "name": RUN,
         "runs_dir": str(tmp_path / "runs"),
         "store": {"url": f"duckdb:///{tmp_path / 'store.duckdb'}", "flush_interval_s": 0.5},
-        "sandbox": {"pool_size": 4, "memory_mb": 256, "workspace_size_mb": 64,
-                    "exec_timeout_s": 5.0, "output_cap_bytes": 4096},
+        "sandbox": {"pool_size": 6, "memory_mb": 256, "workspace_size_mb": 64,
+                    "exec_timeout_s": 5.0, "output_cap_bytes": 1024},
         "inference": {"max_model_len": 10_000_000},
         "learner": {"model": str(REPO / "runs" / "tiny-model")},
         "collector": {
             "tasks": str(_tasks(tmp_path / "tasks")), "group_size": GROUP_SIZE,
-            "max_groups": GROUPS, "max_turns": 120, "max_tokens_per_turn": 1_000_000,
+            "max_turns": 100, "max_tokens_per_turn": 1_000_000,
             "max_episode_tokens": 10_000_000, "max_concurrent_episodes": 6,
             "max_unconsumed_groups": 100_000, "status_interval_s": 60.0,
             "policy_poll_s": 1.0, "test_timeout_s": 20.0, "drain_timeout_s": 120.0,
@@ -105,10 +105,15 @@ def test_hostile_turns_never_crash_the_daemon_and_every_episode_is_stored(sandbo
     from collector.launch import collect
 
     config = _config(tmp_path)
-    policy = FuzzPolicy(AutoTokenizer.from_pretrained(config.learner.model), seed=14,
-                        submit_every=200)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
+
+    async def run():
+        stop = asyncio.Event()  # set at FUZZ_TURNS sampled turns; groups in flight finish
+        policy = FuzzPolicy(tokenizer, seed=14, submit_every=200, stop_after=(FUZZ_TURNS, stop))
+        return policy, await collect(config, stop=stop, live_status=False, client=policy)
+
     started = time.monotonic()
-    metrics = asyncio.run(collect(config, stop=asyncio.Event(), live_status=False, client=policy))
+    policy, metrics = asyncio.run(run())
     elapsed_s = time.monotonic() - started
 
     url = config.store.url
@@ -121,13 +126,14 @@ def test_hostile_turns_never_crash_the_daemon_and_every_episode_is_stored(sandbo
           f"{len(episodes)} episodes in {elapsed_s:.0f} s; stops {dict(stops)}; "
           f"turn kinds {dict(policy.turns.kinds)}")  # fmt: skip
 
+    # 0 daemon crashes (collect returned), and everything scheduled and sampled is stored
     assert policy.calls >= FUZZ_TURNS and n_turns == policy.calls
-    assert metrics.groups_total == GROUPS
-    assert len(episodes) == GROUPS * GROUP_SIZE == metrics.episodes_total
+    assert len(episodes) == policy.episodes_started == metrics.episodes_total
+    assert metrics.groups_total * GROUP_SIZE == len(episodes) and metrics.groups_rejected == 0
     bugs = [e for e in episodes if (e[3] or "").startswith("collector bug")]
     assert not bugs, bugs[:3]
     assert all(valid for _, valid, *_ in episodes), [e for e in episodes if not e[1]][:5]
-    assert not {s for s in stops} - {"submitted", "max_turns", "no_tool_call", "sandbox_died"}
+    assert not set(stops) - {"submitted", "max_turns", "no_tool_call", "sandbox_died"}, stops
     paid = [e for e in episodes if e[4] == "tests-task" and e[2] != 0.0]
     assert not paid, paid[:3]  # no hostile turn forged a reward for the wrong solution
     left = subprocess.run(
