@@ -114,12 +114,12 @@ def observations(episode) -> list[tuple[ToolErrorKind, str]]:
 
 
 def assert_next_is_clean(h: Harness, box_id: str | None, *, same_box: bool = True):
-    check = bash("ls -A /workspace /tmp | tr '\\n' ' '; ps -eo stat=,comm= | grep -c '^T'")
+    check = bash("ls -A /workspace /tmp | tr '\\n' ' '; echo; ps -eo stat= | grep -c '^T' || true")
     nxt = h.episode([check, *HONEST])
     assert nxt.stop_reason is StopReason.SUBMITTED and nxt.reward == 1.0, (nxt.error, nxt)
-    listing, stopped = observations(nxt)[0][1].rsplit(" ", 1)
-    assert listing.split() == ["/workspace:", "/tmp:"], listing
-    assert stopped.strip().split("\n")[0] == "0", stopped
+    listing, stopped = observations(nxt)[0][1].split("\n")[:2]
+    assert sorted(listing.split()) == ["/tmp:", "/workspace:"], listing  # both empty
+    assert stopped == "0", stopped  # no stopped process left
     assert (nxt.sandbox_id == box_id) is same_box, (nxt.sandbox_id, box_id)
     return nxt
 
