@@ -77,10 +77,14 @@ class Harness:
         client = policy or ScriptedPolicy(self.tokenizer, replies)
         return self.loop.run_until_complete(
             run_pooled_episode(
-                self.pool, episode_id=f"r{self.n}", sample_index=0, task=self.task,
-                policy=TokenPolicy(client, self.renderer), make_toolbox=self.toolboxes,
+                self.pool,
+                episode_id=f"r{self.n}",
+                sample_index=0,
+                task=self.task,
+                policy=TokenPolicy(client, self.renderer),
+                make_toolbox=self.toolboxes,
                 limits=LIMITS,
-            )  # fmt: skip
+            )
         )
 
     def close(self) -> None:
@@ -129,9 +133,11 @@ CRASHES = {
     "surrogate-in-bash": [raw("execute_bash", '{"command": "echo \\ud800"}')],
     "surrogate-in-editor-path": [
         raw("str_replace_editor", '{"command": "view", "path": "/workspace/\\ud800"}'),
-        raw("str_replace_editor",
-            '{"command": "create", "path": "/workspace/a", "file_text": "x\\udfff"}'),
-    ],  # fmt: skip
+        raw(
+            "str_replace_editor",
+            '{"command": "create", "path": "/workspace/a", "file_text": "x\\udfff"}',
+        ),
+    ],
     "surrogate-in-name-and-answer": [raw("\\ud800", "{}"), raw("submit", '{"answer": "\\ud800"}')],
     "deep-nan-and-long-numbers": [
         raw("execute_bash", "[" * 50_000 + "]" * 50_000),
@@ -141,28 +147,43 @@ CRASHES = {
     ],
     # a listing over the reply reader's 1 MiB line limit (LimitOverrunError before)
     "editor-view-of-a-huge-folder": [
-        bash("mkdir /workspace/big && cd /workspace/big && python3 -c \"import os\n"
-             "for i in range(6000): os.mkdir('d' * 240 + str(i))\""),
+        bash(
+            'mkdir /workspace/big && cd /workspace/big && python3 -c "import os\n'
+            "for i in range(6000): os.mkdir('d' * 240 + str(i))\""
+        ),
         call("str_replace_editor", {"command": "view", "path": "/workspace/big"}),
-    ],  # fmt: skip
+    ],
     "answer-file-is-a-folder": [bash("mkdir -p /workspace/answer.txt/x")],
     "answer-file-is-a-fifo": [bash("mkfifo /workspace/answer.txt")],
-    "answer-file-is-a-read-only-folder": [bash("mkdir /workspace/answer.txt; chmod 000 /workspace/answer.txt")],
+    "answer-file-is-a-read-only-folder": [
+        bash("mkdir /workspace/answer.txt; chmod 000 /workspace/answer.txt")
+    ],
     "answer-file-links-to-dev-zero": [bash("ln -s /dev/zero /workspace/answer.txt")],
     "tests-destinations-pre-created": [
-        bash("mkdir -p /grade/tests /tests/x 2>&1; mkdir -p /tmp/.sandpiper-tests; "
-             "chmod 000 /tmp/.sandpiper-tests; mkfifo /tmp/.sandpiper-answer; echo rc=$?"),
-    ],  # fmt: skip
+        bash(
+            "mkdir -p /grade/tests /tests/x 2>&1; mkdir -p /tmp/.sandpiper-tests; "
+            "chmod 000 /tmp/.sandpiper-tests; mkfifo /tmp/.sandpiper-answer; echo rc=$?"
+        ),
+    ],
     "chmod-000-left-behind": [
-        bash("chmod 000 /workspace /tmp 2>&1; mkdir -p /workspace/a/b /tmp/c/d; "
-             "chmod 000 /workspace/a /tmp/c /workspace/a/b 2>&1; echo done"),
-    ],  # fmt: skip
+        bash(
+            "chmod 000 /workspace /tmp 2>&1; mkdir -p /workspace/a/b /tmp/c/d; "
+            "chmod 000 /workspace/a /tmp/c /workspace/a/b 2>&1; echo done"
+        ),
+    ],
     "editor-on-devices-fifos-and-proc": [
         bash("mkfifo /workspace/f"),
-        *[call("str_replace_editor", {"command": c, "path": p})
-          for c, p in [("view", "/workspace/f"), ("view", "/dev/zero"), ("view", "/dev/stdin"),
-                       ("view", "/proc/self/mem"), ("view", "/proc/1/environ")]],
-    ],  # fmt: skip
+        *[
+            call("str_replace_editor", {"command": c, "path": p})
+            for c, p in [
+                ("view", "/workspace/f"),
+                ("view", "/dev/zero"),
+                ("view", "/dev/stdin"),
+                ("view", "/proc/self/mem"),
+                ("view", "/proc/1/environ"),
+            ]
+        ],
+    ],
 }
 
 
@@ -205,7 +226,9 @@ def test_exhausting_memory_and_pids_is_the_policys_outcome(harness):
     assert ep.valid and ep.reward == 0.0, (ep.stop_reason, ep.error)
     kinds = [k for k, _ in observations(ep)]
     assert kinds[0] in (ToolErrorKind.OOM_KILLED, ToolErrorKind.NONE), observations(ep)[0]
-    assert_next_is_clean(harness, ep.sandbox_id, same_box=ep.stop_reason is not StopReason.SANDBOX_DIED)
+    assert_next_is_clean(
+        harness, ep.sandbox_id, same_box=ep.stop_reason is not StopReason.SANDBOX_DIED
+    )
 
 
 class _OnTurn(ScriptedPolicy):
@@ -240,7 +263,9 @@ def test_a_stopped_shell_is_detected_by_the_host_watchdog_and_the_episode_goes_o
                        check=True)  # fmt: skip
 
     replies = [bash("echo one"), bash("echo two", timeout=1), bash("echo three"), SUBMIT]
-    ep = harness.episode([], policy=_OnTurn(harness.tokenizer, replies, at=1, action=stop_supervisor))
+    ep = harness.episode(
+        [], policy=_OnTurn(harness.tokenizer, replies, at=1, action=stop_supervisor)
+    )
     seen = observations(ep)
     assert seen[1][0] is ToolErrorKind.TIMED_OUT and seen[2] == (ToolErrorKind.NONE, "three")
     assert ep.stop_reason is StopReason.SUBMITTED and ep.valid and ep.reward == 0.0

@@ -125,6 +125,7 @@ def _remove_container(name: str) -> None:
 
 def test_removed_container_is_sandbox_lost_and_replaced(sandbox_pool):
     """The host removed the container: not the agent's doing, so ``sandbox_lost`` (infra)."""
+
     async def go():
         async with sandbox_pool(pool_size=1) as pool:
             box = await pool.acquire(episode_id="e", task_id="t")

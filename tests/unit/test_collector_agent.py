@@ -307,10 +307,14 @@ def test_a_collector_bug_in_one_episode_is_its_recorded_error_with_a_traceback(
     with caplog.at_level("ERROR", logger="collector.agent"):
         episode = asyncio.run(
             run_episode(
-                episode_id="e", sample_index=0, task=MATH,
+                episode_id="e",
+                sample_index=0,
+                task=MATH,
                 policy=TokenPolicy(policy, ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)),
-                sandbox=sandbox, toolbox=Buggy(sandbox), limits=EpisodeLimits(),
-            )  # fmt: skip
+                sandbox=sandbox,
+                toolbox=Buggy(sandbox),
+                limits=EpisodeLimits(),
+            )
         )
     assert episode.stop_reason is StopReason.INFRA_ERROR and not episode.valid
     assert episode.error.startswith("collector bug: KeyError")
@@ -337,12 +341,17 @@ def test_run_pooled_episode_contains_an_exception_of_the_episode_and_replaces_it
 
     episode = asyncio.run(
         run_pooled_episode(
-            Pool(), episode_id="e", sample_index=3, task=MATH,
-            policy=TokenPolicy(ScriptedPolicy(tiny_tokenizer, []),
-                               ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)),
-            make_toolbox=lambda box, task: FakeToolbox(box), limits=EpisodeLimits(),
+            Pool(),
+            episode_id="e",
+            sample_index=3,
+            task=MATH,
+            policy=TokenPolicy(
+                ScriptedPolicy(tiny_tokenizer, []), ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)
+            ),
+            make_toolbox=lambda box, task: FakeToolbox(box),
+            limits=EpisodeLimits(),
             run=exploding_run,
-        )  # fmt: skip
+        )
     )
     assert episode.stop_reason is StopReason.INFRA_ERROR and episode.reward is None
     assert episode.error == "collector bug: RuntimeError: boom" and episode.sample_index == 3
