@@ -356,3 +356,26 @@ def test_run_pooled_episode_contains_an_exception_of_the_episode_and_replaces_it
     assert episode.stop_reason is StopReason.INFRA_ERROR and episode.reward is None
     assert episode.error == "collector bug: RuntimeError: boom" and episode.sample_index == 3
     assert episode.sandbox_id == "box-1" and released == [("box-1", True)]
+
+
+@pytest.mark.parametrize("error", [OSError("reset op failed"), KeyError("bug")])
+def test_a_failing_reset_replaces_the_sandbox_instead_of_losing_a_pool_slot(error):
+    """Whatever an episode left that makes the reset fail, the container is replaced: an
+    escaped exception used to kill the recycling task and shrink the pool for good."""
+    from collector.sandbox.pool import SandboxPool
+    from sandpiper.config import SandboxConfig
+
+    class Box:
+        id, alive, closed = "box-x", True, False
+
+        async def reset(self):
+            raise error
+
+        async def close(self):
+            self.closed = True
+
+    pool = SandboxPool(SandboxConfig(), labels={})
+    pool._total, pool._closed = 1, True  # closed: no replacement container is started
+    box = Box()
+    asyncio.run(pool._recycle(box, broken=False))
+    assert box.closed and pool._total == 0 and pool.idle_count == 0
