@@ -375,7 +375,8 @@ def test_a_failing_reset_replaces_the_sandbox_instead_of_losing_a_pool_slot(erro
             self.closed = True
 
     pool = SandboxPool(SandboxConfig(), labels={})
-    pool._total, pool._closed = 1, True  # closed: no replacement container is started
+    started = []
+    pool._total, pool._spawn_start = 1, lambda: started.append(1)  # no real container
     box = Box()
     asyncio.run(pool._recycle(box, broken=False))
-    assert box.closed and pool._total == 0 and pool.idle_count == 0
+    assert box.closed and pool._total == 0 and pool.idle_count == 0 and started == [1]
