@@ -11,7 +11,7 @@ calls (bad JSON, lone surrogates, non-finite numbers, deep nesting, oversized ar
 calls to tools that were not offered and every usage error of a tool become error
 observations the agent sees, and the episode goes on.
 
-Outcome classes (docs/security.md, "Outcome classes"). An episode is **invalid**
+Outcome classes (docs/security.md, "Robustness and outcome classes"). An episode is **invalid**
 (``reward=None``, excluded from training, never a 0 that would bias the advantage) only for
 failures the agent could not cause:
 
