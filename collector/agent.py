@@ -11,9 +11,9 @@ calls (bad JSON, lone surrogates, non-finite numbers, deep nesting, oversized ar
 calls to tools that were not offered and every usage error of a tool become error
 observations the agent sees, and the episode goes on.
 
-Outcome classes (docs/security.md, "Robustness and outcome classes"). An episode is **invalid**
-(``reward=None``, excluded from training, never a 0 that would bias the advantage) only for
-failures the agent could not cause:
+Outcome classes (docs/security.md, "Robustness and outcome classes"). An episode is
+**invalid** (``reward=None``, excluded from training, never a 0 that would bias the
+advantage) only for failures the agent could not cause:
 
 - ``sandbox_lost``: the container is gone or stopped without an OOM kill (the host removed
   or killed it; the agent, an unprivileged uid, cannot stop init), or the sandbox failed
