@@ -175,8 +175,7 @@ class Toolbox:
         return None
 
     async def _bash(self, arguments: dict[str, Any]) -> ToolResult:
-        timeout_s = float(arguments.get("timeout") or self.exec_timeout_s)
-        timeout_s = max(1.0, min(timeout_s, self.max_exec_timeout_s))
+        timeout_s = self._timeout(arguments.get("timeout"))
         result = await self.sandbox.exec(arguments["command"], timeout_s=timeout_s)
         return ToolResult(
             output=format_exec(result, timeout_s),
@@ -186,6 +185,14 @@ class Toolbox:
             timed_out=result.outcome is ExecOutcome.TIMED_OUT,
             output_bytes_total=result.stdout_bytes_total + result.stderr_bytes_total,
         )
+
+    def _timeout(self, value: float | None) -> float:
+        """The asked timeout clamped to [1 s, ``max_exec_timeout_s``]."""
+        if not value:
+            return self.exec_timeout_s
+        if isinstance(value, int):  # a 400-digit integer has no float (OverflowError)
+            value = max(1, min(value, int(self.max_exec_timeout_s) + 1))
+        return max(1.0, min(float(value), self.max_exec_timeout_s))
 
     async def _edit(self, arguments: dict[str, Any], started: float) -> ToolResult:
         try:
