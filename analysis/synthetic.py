@@ -258,7 +258,7 @@ class _EpisodeGen:
     def _stop_reason(self) -> StopReason:
         roll = self.rng.random()
         if roll < 0.06:
-            return self.rng.choice([StopReason.SANDBOX_DIED, StopReason.MODEL_ERROR])
+            return self.rng.choice([StopReason.SANDBOX_LOST, StopReason.MODEL_ERROR])
         if roll < 0.14:
             return StopReason.MAX_TURNS
         if roll < 0.18:
@@ -367,8 +367,8 @@ def _with_calls(turn: TurnRecord, calls: tuple[ToolCallRecord, ...]) -> TurnReco
 
 
 def _infra_error(stop: StopReason) -> str | None:
-    if stop == StopReason.SANDBOX_DIED:
-        return "container exited with status 137 (OOM-killed)"
+    if stop == StopReason.SANDBOX_LOST:
+        return "the container was removed by the host"
     if stop == StopReason.MODEL_ERROR:
         return "inference server returned HTTP 500 twice"
     return None

@@ -6,17 +6,37 @@ execution of its tool calls (through a toolbox bound to the episode's sandbox, r
 appended as a non-trainable ``tool`` turn). It stops on ``submit``, a reply without tool
 calls, max turns, the episode token budget or the context limit.
 
-Failures are data. Malformed tool calls and calls to tools that were not offered become error
-observations the agent sees. A sandbox that dies ends the episode with ``sandbox_died``; a
-failing inference server with ``model_error``; a broken task (failing ``setup.sh``, missing
-test script or image, a reward it cannot score) with ``task_error``. Those episodes are
-**invalid** with ``reward=None`` (never a 0 that would bias the advantage).
+Failures are data, and no model output ends anything but its own episode. Malformed tool
+calls (bad JSON, lone surrogates, non-finite numbers, deep nesting, oversized arguments),
+calls to tools that were not offered and every usage error of a tool become error
+observations the agent sees, and the episode goes on.
+
+Outcome classes (docs/security.md, "Robustness and outcome classes"). An episode is
+**invalid** (``reward=None``, excluded from training, never a 0 that would bias the
+advantage) only for failures the agent could not cause:
+
+- ``sandbox_lost``: the container is gone or stopped without an OOM kill (the host removed
+  or killed it; the agent, an unprivileged uid, cannot stop init), or the sandbox failed
+  before the agent acted (``setup.sh`` killed, the pool's container unusable);
+- ``model_error``: the inference server failed;
+- ``task_error``: the task is broken (failing ``setup.sh``, missing test script or image, a
+  reward it cannot score);
+- ``infra_error``: anything else outside the policy, including a **bug of the collector**: an
+  unexpected exception inside one episode is logged with its traceback and recorded as that
+  episode's error (``collector bug: ...``); the daemon goes on.
+
+Everything the agent's own commands do to its sandbox is the **policy's outcome, graded**
+like any other stop: ``sandbox_died`` (its shell cannot be restarted while the container
+runs: pids or memory exhausted, an OOM kill of the container) gets the reward of what it
+left (0 for a task graded by tests, or the task's penalty) — otherwise a policy would learn
+to escape its penalties by breaking its sandbox. A ``submit`` whose tests time out is 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +54,7 @@ from collector.rewards import compute_reward
 from collector.sandbox.base import ExecOutcome, Sandbox
 from collector.tasks import DEFAULT_TESTS_DEST, Task
 from collector.tools.base import ToolResult
-from sandpiper.errors import SandboxError, SandpiperError, TaskError
+from sandpiper.errors import SandboxError, SandboxLostError, SandpiperError, TaskError
 from store.records import (
     INFRA_STOPS,
     EpisodeRecord,
@@ -44,6 +64,8 @@ from store.records import (
     TurnRecord,
     utcnow,
 )
+
+log = logging.getLogger(__name__)
 
 MAX_ANSWER_FILE_BYTES = 64 * 1024
 """An answer file is read up to this many bytes."""
@@ -131,6 +153,7 @@ class _State:
     model_text: list[str] = field(default_factory=list)
     stop: StopReason | None = None
     error: str | None = None
+    episode_id: str = ""
 
 
 def default_toolbox_factory(
@@ -165,8 +188,9 @@ async def prepare_sandbox(sandbox: Sandbox, task: Task, *, timeout_s: float = 30
         result = await sandbox.exec(
             "bash /tmp/sandpiper_setup.sh", timeout_s=timeout_s, cwd="/workspace"
         )
-        if result.outcome is ExecOutcome.SANDBOX_DIED:
-            raise SandboxError(f"the sandbox died running setup.sh of task {task.task_id}")
+        if result.outcome in (ExecOutcome.SANDBOX_DIED, ExecOutcome.SANDBOX_LOST):
+            # before the agent acted: whatever broke it, it was not this policy
+            raise SandboxLostError(f"the sandbox died running setup.sh of task {task.task_id}")
         if not result.ok:  # a broken task, not the policy's fault: the episode is invalid
             raise TaskError(
                 f"setup.sh of task {task.task_id} failed ({result.outcome}, exit "
@@ -198,8 +222,9 @@ async def run_episode(
         },  # type: ignore[arg-type]
         {"role": "user", "content": task.instruction},
     ]
-    state = _State()
+    state = _State(episode_id=episode_id)
     trainable = True
+    acting = False  # True once the agent's turns run: a broken sandbox is then its outcome
     try:
         session = policy.session(messages, limits.policy_limits())
         trainable = session.trainable
@@ -207,16 +232,34 @@ async def run_episode(
         task.check()
         await prepare_sandbox(sandbox, task)
         offered = {t["function"]["name"] for t in policy.tools}
+        acting = True
         await _loop(state, session, toolbox, limits, offered)
         if state.stop not in INFRA_STOPS:
             await _read_answer_file(state, task, sandbox)
     except TaskError as e:  # the task is broken, not the policy: invalid, never a 0
         state.stop, state.error = StopReason.TASK_ERROR, f"task: {e}"
     except SandboxError as e:
-        state.stop, state.error = StopReason.SANDBOX_DIED, f"sandbox: {e}"
+        state.stop, state.error = sandbox_stop(e, acting), f"sandbox: {e}"
     except SandpiperError as e:
         state.stop, state.error = StopReason.INFRA_ERROR, f"{type(e).__name__}: {e}"
+    except Exception as e:  # a bug of ours: visible (traceback, error), never a dead daemon
+        state.stop, state.error = StopReason.INFRA_ERROR, collector_bug(episode_id, e)
     return _finish(state, episode_id, sample_index, task, sandbox, started_at, t0, trainable)
+
+
+def sandbox_stop(error: SandboxError, acting: bool) -> StopReason:
+    """``sandbox_lost`` (invalid) when the container was lost or the sandbox failed before
+    the agent acted; ``sandbox_died`` (graded) when the agent's own commands broke it."""
+    if isinstance(error, SandboxLostError) or not acting:
+        return StopReason.SANDBOX_LOST
+    return StopReason.SANDBOX_DIED
+
+
+def collector_bug(episode_id: str, error: BaseException) -> str:
+    """Log an unexpected exception of one episode with its traceback; the episode's error."""
+    log.error("episode %s: unexpected %s (a collector bug)", episode_id,
+              type(error).__name__, exc_info=error)  # fmt: skip
+    return f"collector bug: {type(error).__name__}: {str(error)[:1000]}"
 
 
 async def run_pooled_episode(
@@ -236,7 +279,10 @@ async def run_pooled_episode(
     external agent's episode (``collector.gateway.external``) takes its sandbox this way.
 
     A sandbox that cannot be had is one invalid episode: ``task_error`` when the task's own
-    image is missing, ``infra_error`` otherwise (never an abort of the run)."""
+    image is missing, ``infra_error`` otherwise (never an abort of the run). Any exception
+    of the episode itself (``run``, the toolbox) becomes its record (``infra_error``,
+    ``collector bug: ...``, logged with its traceback) and its sandbox is replaced; only a
+    pool that fails in an unexpected way (a bug that would fail every episode) propagates."""
     started = utcnow()
     try:
         sandbox = await pool.acquire(episode_id=episode_id, task_id=task.task_id, image=task.image)
@@ -259,14 +305,28 @@ async def run_pooled_episode(
             toolbox=make_toolbox(sandbox, task),
             limits=limits,
         )
-        broken = episode.stop_reason is StopReason.SANDBOX_DIED
+        broken = episode.stop_reason in _REPLACE_SANDBOX
         return episode
+    except Exception as e:  # one episode's failure stays that episode's outcome
+        return failed_episode(episode_id, sample_index, started, StopReason.INFRA_ERROR,
+                              collector_bug(episode_id, e), _sandbox_id(sandbox))  # fmt: skip
     finally:
         await pool.release(sandbox, broken=broken)
 
 
+_REPLACE_SANDBOX = frozenset(
+    {StopReason.SANDBOX_DIED, StopReason.SANDBOX_LOST, StopReason.INFRA_ERROR}
+)
+"""Stops after which the container is replaced rather than reset (its state is unknown)."""
+
+
 def failed_episode(
-    episode_id: str, index: int, started: datetime, stop: StopReason, error: str
+    episode_id: str,
+    index: int,
+    started: datetime,
+    stop: StopReason,
+    error: str,
+    sandbox_id: str | None = None,
 ) -> EpisodeRecord:
     """An invalid episode that never reached the model (no sandbox, missing image)."""
     return EpisodeRecord(
@@ -279,8 +339,8 @@ def failed_episode(
         reward_breakdown={},
         turns=(),
         started_at=started,
-        duration_ms=0.0,
-        sandbox_id=None,
+        duration_ms=(utcnow() - started).total_seconds() * 1000,
+        sandbox_id=sandbox_id,
         error=error,
     )
 
@@ -355,7 +415,15 @@ async def _run_tools(
             try:
                 result = await toolbox.call(call.name, call.arguments)
             except SandboxError as e:
-                result = ToolResult(output=str(e), error_kind=ToolErrorKind.SANDBOX_DIED)
+                lost = isinstance(e, SandboxLostError)
+                kind = ToolErrorKind.SANDBOX_LOST if lost else ToolErrorKind.SANDBOX_DIED
+                result = ToolResult(output=str(e), error_kind=kind)
+            except SandpiperError:
+                raise  # a broken task (TaskError): the episode's outcome, decided above
+            except Exception as e:  # a bug of ours: this call's turn is kept, then it ends
+                state.stop, state.error = StopReason.INFRA_ERROR, collector_bug(state.episode_id, e)
+                records.append(tool_record(index, call, ToolResult("", ToolErrorKind.TOOL_ERROR)))
+                break
         else:
             result = ToolResult(output=call.error or "Error", error_kind=call.error_kind)
         if bash_block and call.name == "execute_bash" and result.error_kind is ToolErrorKind.NONE:
@@ -372,10 +440,11 @@ async def _run_tools(
                 "exit_code": result.exit_code,
             }
         )
-        if result.error_kind is ToolErrorKind.SANDBOX_DIED:
+        if result.error_kind in _SANDBOX_STOPS:
             # The sampled turn and this call are still stored (by the caller) before stopping.
-            state.stop = StopReason.SANDBOX_DIED
-            state.error = f"sandbox died during {call.name}: {result.output[-300:]}"
+            state.stop = _SANDBOX_STOPS[result.error_kind]
+            state.error = f"sandbox {state.stop.removeprefix('sandbox_')} during {call.name}: "
+            state.error += result.output[-300:]
             break
         if result.submitted:
             state.stop = StopReason.SUBMITTED
@@ -384,6 +453,12 @@ async def _run_tools(
             state.test_details = dict(result.test_details)
             break
     return records, messages
+
+
+_SANDBOX_STOPS = {
+    ToolErrorKind.SANDBOX_DIED: StopReason.SANDBOX_DIED,
+    ToolErrorKind.SANDBOX_LOST: StopReason.SANDBOX_LOST,
+}
 
 
 async def _read_answer_file(state: _State, task: Task, sandbox: Sandbox) -> None:
@@ -490,7 +565,7 @@ async def finish_episode(
         try:
             await _read_answer_file(state, task, sandbox)
         except SandboxError as e:
-            state.stop, state.error = StopReason.SANDBOX_DIED, f"sandbox: {e}"
+            state.stop, state.error = sandbox_stop(e, acting=True), f"sandbox: {e}"
     record = _finish(state, episode_id, sample_index, task, sandbox, started_at, t0, True)
     if extra_breakdown:
         breakdown = {**record.reward_breakdown, **extra_breakdown}

@@ -32,7 +32,10 @@ answer (:func:`submission_answer`). A reply with no block or with several is a
 ``format_error`` observation, as in mini-swe-agent, not the end of the episode.
 
 Parsing never raises: a malformed call (bad JSON, missing name, arguments that are not an
-object, arguments larger than the cap, an unclosed block) comes back as a
+object, arguments larger than the cap, an unclosed block, arguments nested deeper than
+:data:`MAX_ARGUMENT_DEPTH`, numbers that are not finite (``NaN``, ``1e999``), integers too
+long to convert, lone surrogates such as ``"\\ud800"`` that no UTF-8 file, shell or store
+can hold) comes back as a
 :class:`ParsedToolCall` with an ``error_kind`` and a message the agent is shown. Unknown
 tool names and argument types are checked by the toolbox, which knows the schemas; the XML
 parser only uses the schemas to convert parameter strings to their declared JSON types.
@@ -40,7 +43,9 @@ parser only uses the schemas to convert parameter strings to their declared JSON
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +62,9 @@ SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
 DEFAULT_MAX_ARGUMENT_BYTES = 65_536
 """Arguments larger than this (UTF-8 bytes of their JSON) are refused, not run."""
+MAX_ARGUMENT_DEPTH = 16
+"""Arguments nested deeper than this (objects and arrays) are refused: no tool takes more
+than 2 levels, and deep nesting costs recursion in every JSON encoder downstream."""
 
 _BLOCK_RE = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
 _FUNCTION_RE = re.compile(r"<function=([^>\n]*)>(.*?)(</function>|\Z)", re.DOTALL)
@@ -191,24 +199,28 @@ def _malformed(name: str, raw: str, kind: ToolErrorKind, why: str) -> ParsedTool
 
 def _parse_hermes(body: str) -> ParsedToolCall:
     try:
-        data = json.loads(body)
+        data = _loads(body)
     except json.JSONDecodeError as e:
         return _malformed("", body, ToolErrorKind.BAD_JSON, f"invalid JSON ({e.msg})")
+    except (ValueError, RecursionError) as e:  # NaN, a 5000-digit integer, [[[[...]]]]
+        return _malformed("", body, ToolErrorKind.BAD_JSON, f"invalid JSON ({_why(e)})")
     if not isinstance(data, dict):
         return _malformed("", body, ToolErrorKind.BAD_JSON, "expected a JSON object")
     name = data.get("name")
     if not isinstance(name, str) or not name:
         return _malformed("", body, ToolErrorKind.BAD_JSON, 'missing "name"')
+    if not _is_text(name):
+        return _malformed("", body, ToolErrorKind.BAD_JSON, '"name" is not valid Unicode')
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):
         # Some models double-encode the arguments as a JSON string.
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = _loads(arguments)
+        except (ValueError, RecursionError):
             return _malformed(name, body, ToolErrorKind.BAD_JSON, "arguments are not JSON")
     if not isinstance(arguments, dict):
         return _malformed(name, body, ToolErrorKind.BAD_ARGUMENTS, "arguments must be an object")
-    return ParsedToolCall(name=name, arguments=arguments, arguments_json=_dumps(arguments))
+    return _parsed(name, arguments, body)
 
 
 def _parse_xml(body: str, types: Mapping[str, Mapping[str, str]]) -> ParsedToolCall:
@@ -225,6 +237,15 @@ def _parse_xml(body: str, types: Mapping[str, Mapping[str, str]]) -> ParsedToolC
     for param in _PARAM_RE.finditer(function.group(2)):
         key = param.group(1).strip()
         arguments[key] = _convert(_strip_one_newline(param.group(2)), param_types.get(key))
+    return _parsed(name, arguments, body)
+
+
+def _parsed(name: str, arguments: dict[str, Any], body: str) -> ParsedToolCall:
+    """A well-formed call, or a ``bad_arguments`` one when its values cannot be run or
+    stored (checked before anything encodes them)."""
+    problem = argument_problem(arguments)
+    if problem is not None:
+        return _malformed(name, body, ToolErrorKind.BAD_ARGUMENTS, problem)
     return ParsedToolCall(name=name, arguments=arguments, arguments_json=_dumps(arguments))
 
 
@@ -240,8 +261,8 @@ def _convert(value: str, json_type: str | None) -> Any:
     if json_type in (None, "string"):
         return value
     try:
-        converted = json.loads(value)
-    except json.JSONDecodeError:
+        converted = _loads(value)
+    except (ValueError, RecursionError):
         if json_type == "boolean" and value.strip().lower() in ("true", "false"):
             return value.strip().lower() == "true"
         return value  # the toolbox reports the type error to the agent
@@ -260,7 +281,66 @@ def _param_types(schemas: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, st
     return types
 
 
+def argument_problem(arguments: Any) -> str | None:
+    """Why ``arguments`` cannot be run or stored (None when they can): nested deeper than
+    :data:`MAX_ARGUMENT_DEPTH`, a number that is not finite, or text that is not valid
+    Unicode (a lone surrogate). Iterative, so no nesting can exhaust the recursion limit."""
+    stack: list[tuple[Any, int]] = [(arguments, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return "a string holds a lone surrogate (not valid Unicode)"
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                return f"the number {value} is not finite"
+        elif isinstance(value, dict | list):
+            if depth >= MAX_ARGUMENT_DEPTH:
+                return f"the arguments are nested deeper than {MAX_ARGUMENT_DEPTH} levels"
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str) and not _is_text(key):
+                    return "a key holds a lone surrogate (not valid Unicode)"
+                stack.append((item, depth + 1))
+    return None
+
+
+def safe_text(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` escapes (storable as UTF-8)."""
+    return text if _is_text(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _loads(text: str) -> Any:
+    """``json.loads`` without ``NaN`` / ``Infinity`` (not JSON; they would be stored)."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    return str(e)[:200]
+
+
 def _check_size(call: ParsedToolCall, max_bytes: int) -> ParsedToolCall:
+    if not call.ok:  # the raw text is stored: keep it storable
+        name, raw = safe_text(call.name), safe_text(call.arguments_json)
+        return dataclasses.replace(call, name=name, arguments_json=raw)
+    problem = argument_problem(call.name) or argument_problem(call.arguments)
+    if problem is not None:  # bash_block and XML text reach here unchecked
+        raw = safe_text(call.arguments_json)
+        return _malformed(safe_text(call.name), raw, ToolErrorKind.BAD_ARGUMENTS, problem)
     size = len(call.arguments_json.encode())
     if size <= max_bytes:
         return call

@@ -42,6 +42,12 @@ class SandboxError(SandpiperError, RuntimeError):
     """A sandbox could not be started, reached or cleaned up (an infrastructure failure)."""
 
 
+class SandboxLostError(SandboxError):
+    """The sandbox's container is gone or stopped for a reason outside the agent's reach
+    (removed or killed by the host, podman failed): the episode is an infra failure
+    (stop reason ``sandbox_lost``), never the policy's outcome."""
+
+
 class SandboxLimitsNotEnforced(SandboxError):
     """The host does not enforce a resource limit the config asks for."""
 

@@ -39,7 +39,15 @@ class StopReason(StrEnum):
     """The model answered without calling a tool (the final message is its answer)."""
     MODEL_ERROR = "model_error"
     SANDBOX_DIED = "sandbox_died"
+    """The agent's commands broke its sandbox (its shell cannot be restarted, the container
+    ran out of pids or memory, ...) while the container still ran: the policy's outcome,
+    graded like any other (otherwise a policy learns to escape its penalties this way)."""
+    SANDBOX_LOST = "sandbox_lost"
+    """The container was lost for reasons the agent cannot cause (the host removed or
+    killed it, podman failed) or failed before the agent acted: invalid."""
     INFRA_ERROR = "infra_error"
+    """Any other failure outside the policy: the inference client, the store, or a bug of
+    the collector itself (its traceback is logged and its error recorded)."""
     CANCELLED = "cancelled"
     TASK_ERROR = "task_error"
     """The task itself is broken (failing setup.sh, missing test script or image, a reward
@@ -56,7 +64,7 @@ class StopReason(StrEnum):
 INFRA_STOPS = frozenset(
     {
         StopReason.MODEL_ERROR,
-        StopReason.SANDBOX_DIED,
+        StopReason.SANDBOX_LOST,
         StopReason.INFRA_ERROR,
         StopReason.CANCELLED,
         StopReason.TASK_ERROR,
@@ -104,6 +112,9 @@ class ToolErrorKind(StrEnum):
     TIMED_OUT = "timed_out"
     OOM_KILLED = "oom_killed"
     SANDBOX_DIED = "sandbox_died"
+    """The agent's commands broke its sandbox (see ``StopReason.SANDBOX_DIED``)."""
+    SANDBOX_LOST = "sandbox_lost"
+    """The container was lost to the host (see ``StopReason.SANDBOX_LOST``)."""
 
 
 @dataclass(frozen=True, slots=True)

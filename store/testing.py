@@ -72,7 +72,7 @@ def make_group(
             EpisodeRecord(
                 episode_id=f"{group_id}#{i}",
                 sample_index=i,
-                stop_reason=StopReason.SUBMITTED if valid else StopReason.SANDBOX_DIED,
+                stop_reason=StopReason.SUBMITTED if valid else StopReason.SANDBOX_LOST,
                 valid=valid,
                 trainable=True,
                 reward=float(i % 2) if valid else None,

@@ -47,7 +47,7 @@ from collector.gateway.server import Gateway
 from collector.sandbox.base import Sandbox
 from collector.tasks import Task
 from sandpiper.errors import SandboxError, SandpiperError, TaskError
-from store.records import INFRA_STOPS, EpisodeRecord, StopReason, utcnow
+from store.records import INFRA_STOPS, EpisodeRecord, StopReason, ToolErrorKind, utcnow
 
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 _LOG_TAIL_BYTES = 2000
@@ -87,8 +87,8 @@ async def run_external_episode(
         try:
             await prepare_sandbox(sandbox, task)
         except SandboxError as e:
-            return await finish_episode(
-                turns=(), stop=StopReason.SANDBOX_DIED, error=f"sandbox: {e}", answer=None,
+            return await finish_episode(  # before the agent acted: not its doing (invalid)
+                turns=(), stop=StopReason.SANDBOX_LOST, error=f"sandbox: {e}", answer=None,
                 task=task, sandbox=sandbox, episode_id=episode_id, sample_index=sample_index,
                 started_at=started_at, t0=t0,
             )  # fmt: skip
@@ -128,8 +128,10 @@ async def run_external_episode(
     grading: dict[str, Any] = {}
     if stop not in INFRA_STOPS:
         grading = await _grade(toolbox)
-        if grading.get("sandbox_died"):
-            stop, error = StopReason.SANDBOX_DIED, "the sandbox died while grading"
+        if grading.get("sandbox_stop"):
+            stop = grading["sandbox_stop"]
+            error = f"the sandbox was {'lost' if stop is StopReason.SANDBOX_LOST else 'broken'}"
+            error += " while grading"
     return await finish_episode(
         turns=turns, stop=stop, error=error, answer=grading.get("answer"), task=task,
         sandbox=sandbox, episode_id=episode_id, sample_index=sample_index,
@@ -214,8 +216,10 @@ def _exec_via(toolbox: ToolRunner):
 async def _grade(toolbox: ToolRunner) -> dict[str, Any]:
     """Grade the sandbox as a native ``submit`` does (the task's tests, its answer file)."""
     result = await toolbox.call("submit", {})
-    if str(result.error_kind) == "sandbox_died":
-        return {"sandbox_died": True}
+    if result.error_kind is ToolErrorKind.SANDBOX_LOST:
+        return {"sandbox_stop": StopReason.SANDBOX_LOST}  # the host's doing: invalid
+    if result.error_kind is ToolErrorKind.SANDBOX_DIED:
+        return {"sandbox_stop": StopReason.SANDBOX_DIED}  # the agent's doing: graded
     return {
         "answer": result.answer,
         "test_reward": result.test_reward,

@@ -138,6 +138,11 @@ def oom_kills() -> int:
     return -1
 
 
+def _tool(name: str) -> str:
+    """The absolute path of an image tool, found in the image's own PATH (never the agent's)."""
+    return shutil.which(name, path=BASE_ENV["PATH"]) or name
+
+
 def reap() -> None:
     try:
         while os.waitpid(-1, os.WNOHANG)[0] > 0:
@@ -171,7 +176,9 @@ def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGEN
     ids = {"user": uid, "group": uid, "extra_groups": []} if PRIVILEGED else {}
     # timeout(1) stays: as the command's parent it is what ``kill -9 -1`` from the command
     # kills, which reports the command as killed (137) and resets the shell state.
-    argv = ["timeout", "-s", "KILL", f"{timeout_s:.3f}", *argv]
+    # by absolute path: Popen looks argv[0] up in the command's PATH, which the agent sets
+    # (``export PATH=/nowhere`` must not leave every later command unable to start)
+    argv = [_tool("timeout"), "-s", "KILL", f"{timeout_s:.3f}", *argv]
     oom_before = oom_kills()
     started = time.monotonic()
     out, err, state_blob = Capper(cap), Capper(cap), bytearray()
@@ -222,7 +229,7 @@ def run_command(state: State, req: dict) -> tuple[dict, bytes]:
     overrides = req.get("env") or {}
     env.update(overrides)
     state_r, state_w = os.pipe()
-    argv = ["bash", "-c", PRELUDE, "bash", str(state_w), req["command"]]
+    argv = [_tool("bash"), "-c", PRELUDE, "bash", str(state_w), req["command"]]
     header, out, err, state_blob = spawn(
         argv, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap, pass_fds=(state_w,),
         state_r=state_r,

@@ -20,7 +20,10 @@ class ExecOutcome(StrEnum):
     TIMED_OUT = "timed_out"
     OOM_KILLED = "oom_killed"
     SANDBOX_DIED = "sandbox_died"
-    """The container or its shell went away; the episode is an infra failure."""
+    """The shell went away and could not be restarted while the container still runs: the
+    agent's own commands broke its sandbox (graded as the policy's outcome)."""
+    SANDBOX_LOST = "sandbox_lost"
+    """The container is gone or stopped (host removal, podman failure): an infra failure."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,11 @@ Watchdog ladder when a command overruns:
 1. inside: ``timeout -s KILL`` and the shell kill the command's process group at the deadline;
 2. host: no reply ``WATCHDOG_GRACE_S`` after the deadline → kill the shell client and start a
    new shell with ``--takeover`` (SIGKILLs everything but init; the workspace survives);
-3. host: the shell cannot be restarted → the container is replaced (outcome sandbox_died).
+3. host: the shell cannot be restarted → the container is replaced. The outcome is
+   ``sandbox_lost`` (infra, the episode is invalid) when the container itself is gone or
+   stopped and was not OOM-killed — the agent, an unprivileged uid, cannot stop init or
+   remove its container, so the host did; otherwise ``sandbox_died`` (the agent's commands
+   broke its sandbox, e.g. exhausted its pids: graded as the policy's outcome).
 
 Isolation flags are built by :func:`container_argv` (one place, checked by ``sandbox check``).
 """
@@ -32,7 +36,7 @@ from typing import Any
 
 from collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, GradeResult
 from sandpiper.config import SandboxConfig
-from sandpiper.errors import SandboxError
+from sandpiper.errors import SandboxError, SandboxLostError
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +216,9 @@ class PodmanSandbox:
         self._desynced = False
         """True while a request's reply has not been read completely."""
         self.restarts = 0
+        self.lost = False
+        """Set when the sandbox is dead because its container is gone or stopped (not by
+        the agent's doing): its failures are then ``sandbox_lost``, not ``sandbox_died``."""
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -332,8 +339,13 @@ class PodmanSandbox:
                 header, data = await self._call(req, payload)
             except (TimeoutError, ConnectionError) as e:
                 if not await self._recover():
-                    raise SandboxError(f"sandbox {self.name}: {e}") from e
-                header, data = await self._call(req, payload)
+                    raise self._dead_error(e) from e
+                try:
+                    header, data = await self._call(req, payload)
+                except (TimeoutError, ConnectionError) as e2:
+                    # the same request broke a fresh shell too (a reply over the line
+                    # limit, a path the shell cannot answer): a failed call, not a dead box
+                    raise OSError(f"the sandbox could not answer this request: {e2}") from e2
         if "error" in header:
             raise _as_os_error(header["error"], header.get("message", ""), req.get("path"))
         return header, data
@@ -349,9 +361,31 @@ class PodmanSandbox:
             self._desynced = False
             return True
         except SandboxError:
-            log.warning("sandbox %s: shell restart failed; it will be replaced", self.name)
             self._dead = True
+            self.lost = await self._container_lost()
+            log.warning("sandbox %s: shell restart failed (%s); it will be replaced",
+                        self.name, "container lost" if self.lost else "container running")  # fmt: skip
             return False
+
+    async def _container_lost(self) -> bool:
+        """True when the container is gone, or stopped without an OOM kill (the host's
+        doing: the agent cannot stop init); False while it runs or after an OOM kill."""
+        try:
+            out = await run_podman(
+                "container", "inspect", "--format", "{{.State.Running}} {{.State.OOMKilled}}",
+                self.name, timeout_s=30,
+            )  # fmt: skip
+        except SandboxError:
+            return True  # gone, or podman itself failed: not the agent's doing
+        running, _, oom_killed = out.decode().strip().partition(" ")
+        return running != "true" and oom_killed != "true"
+
+    def _dead_error(self, cause: BaseException) -> SandboxError:
+        kind = SandboxLostError if self.lost else SandboxError
+        return kind(f"sandbox {self.name}: {cause}")
+
+    def _dead_outcome(self) -> ExecOutcome:
+        return ExecOutcome.SANDBOX_LOST if self.lost else ExecOutcome.SANDBOX_DIED
 
     # -- Sandbox Protocol ----------------------------------------------------------------------
     async def exec(
@@ -384,7 +418,7 @@ class PodmanSandbox:
                 header, data = await self._call(req, timeout_s=timeout_s + WATCHDOG_GRACE_S)
             except TimeoutError:
                 recovered = await self._recover()
-                outcome = ExecOutcome.TIMED_OUT if recovered else ExecOutcome.SANDBOX_DIED
+                outcome = ExecOutcome.TIMED_OUT if recovered else self._dead_outcome()
                 return _failed(outcome, started, "the shell did not answer; it was restarted")
             except ConnectionError as e:
                 # The command may have killed the shell (kill -9 -1): init survived, so a new
@@ -392,7 +426,7 @@ class PodmanSandbox:
                 if await self._recover():
                     note = f"[sandpiper: the shell was killed ({e}); restarted with a fresh state]"
                     return _failed(ExecOutcome.OK, started, note, exit_code=137)
-                return _failed(ExecOutcome.SANDBOX_DIED, started, str(e))
+                return _failed(self._dead_outcome(), started, str(e))
         if "error" in header:
             return _failed(ExecOutcome.OK, started, header.get("message", ""), exit_code=126)
         return _exec_result(header, data)
@@ -485,11 +519,11 @@ class PodmanSandbox:
                 )  # fmt: skip
             except TimeoutError:
                 recovered = await self._recover()
-                outcome = ExecOutcome.TIMED_OUT if recovered else ExecOutcome.SANDBOX_DIED
+                outcome = ExecOutcome.TIMED_OUT if recovered else self._dead_outcome()
                 return GradeResult(_failed(outcome, started, "the grader did not answer"))
             except ConnectionError as e:
                 await self._recover()
-                return GradeResult(_failed(ExecOutcome.SANDBOX_DIED, started, str(e)))
+                return GradeResult(_failed(self._dead_outcome(), started, str(e)))
         if "error" in header:
             message = f"{header['error']}: {header.get('message', '')}"
             return GradeResult(_failed(ExecOutcome.OK, started, message), error=message)

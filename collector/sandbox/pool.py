@@ -144,8 +144,10 @@ class SandboxPool:
                 if box.alive:
                     self._idle.put_nowait(box)
                     return
-            except SandboxError as e:
+            except (SandboxError, OSError) as e:  # OSError: the reset op itself failed
                 log.warning("reset of %s failed, replacing it: %s", box.id, e)
+            except Exception:  # a bug: replace the box rather than lose a pool slot
+                log.exception("reset of %s raised; replacing it", box.id)
         await self._discard(box)
         self._total -= 1
         if not self._closed:

@@ -4,7 +4,8 @@
 ``Toolbox.call`` never raises for anything the agent did: unknown tools, arguments of the
 wrong type, oversized arguments and usage errors come back as a :class:`ToolResult` with
 ``error_kind`` set and a message the agent can act on. Only a sandbox that cannot be used any
-more shows up as ``error_kind = sandbox_died``.
+more shows up as ``error_kind = sandbox_died`` (the agent broke it: graded) or
+``sandbox_lost`` (its container is gone: an infra failure, see ``collector/agent.py``).
 
 ``submit`` hands the grading to the sandbox (``Sandbox.grade``): the tests reach the sandbox
 only then (so the agent cannot read them earlier), every process of the agent is killed, and
@@ -24,11 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from collector.parsers import argument_problem
 from collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, Sandbox
 from collector.tools.base import ToolResult
 from collector.tools.editor import Editor, EditorError
 from collector.tools.reward import DEFAULT_RESULT_FORMAT, RESULT_FORMATS, reward_from_result
-from sandpiper.errors import SandboxError
+from sandpiper.errors import SandboxError, SandboxLostError
 from store.records import ToolErrorKind
 
 MAX_ARGUMENT_BYTES = 256 * 1024
@@ -40,6 +42,7 @@ _OUTCOME_KIND = {
     ExecOutcome.TIMED_OUT: ToolErrorKind.TIMED_OUT,
     ExecOutcome.OOM_KILLED: ToolErrorKind.OOM_KILLED,
     ExecOutcome.SANDBOX_DIED: ToolErrorKind.SANDBOX_DIED,
+    ExecOutcome.SANDBOX_LOST: ToolErrorKind.SANDBOX_LOST,
 }
 # name -> {argument: (accepted types, required)}
 _ARGUMENTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
@@ -122,9 +125,10 @@ class Toolbox:
                 return await self._edit(arguments, started)
             return await self._submit(arguments, started)
         except SandboxError as e:
+            lost = isinstance(e, SandboxLostError)
             return ToolResult(
                 f"Error: the sandbox failed: {e}",
-                ToolErrorKind.SANDBOX_DIED,
+                ToolErrorKind.SANDBOX_LOST if lost else ToolErrorKind.SANDBOX_DIED,
                 duration_ms=_ms(started),
             )
 
@@ -141,7 +145,16 @@ class Toolbox:
                 f"Error: the arguments of {name} must be a JSON object.",
                 ToolErrorKind.BAD_ARGUMENTS,
             )
-        size = len(json.dumps(arguments, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        # The editor explains bad text itself (paths, file contents: see editor.py); other
+        # tools' strings go to a shell or the store, which hold only valid UTF-8.
+        problem = argument_problem(arguments) if name != "str_replace_editor" else None
+        if problem is not None:
+            return _bad(f"the arguments of {name} cannot be used: {problem}")
+        try:
+            text = json.dumps(arguments, ensure_ascii=False)
+        except (ValueError, RecursionError) as e:  # only an editor call gets here unchecked
+            return _bad(f"the arguments of {name} cannot be encoded: {str(e)[:200]}")
+        size = len(text.encode("utf-8", "surrogatepass"))
         if size > self.max_argument_bytes:
             return ToolResult(
                 f"Error: the arguments of {name} are {size} bytes; the limit is "
@@ -162,8 +175,7 @@ class Toolbox:
         return None
 
     async def _bash(self, arguments: dict[str, Any]) -> ToolResult:
-        timeout_s = float(arguments.get("timeout") or self.exec_timeout_s)
-        timeout_s = max(1.0, min(timeout_s, self.max_exec_timeout_s))
+        timeout_s = self._timeout(arguments.get("timeout"))
         result = await self.sandbox.exec(arguments["command"], timeout_s=timeout_s)
         return ToolResult(
             output=format_exec(result, timeout_s),
@@ -173,6 +185,14 @@ class Toolbox:
             timed_out=result.outcome is ExecOutcome.TIMED_OUT,
             output_bytes_total=result.stdout_bytes_total + result.stderr_bytes_total,
         )
+
+    def _timeout(self, value: float | None) -> float:
+        """The asked timeout clamped to [1 s, ``max_exec_timeout_s``]."""
+        if not value:
+            return self.exec_timeout_s
+        if isinstance(value, int):  # a 400-digit integer has no float (OverflowError)
+            value = max(1, min(value, int(self.max_exec_timeout_s) + 1))
+        return max(1.0, min(float(value), self.max_exec_timeout_s))
 
     async def _edit(self, arguments: dict[str, Any], started: float) -> ToolResult:
         try:
@@ -210,10 +230,10 @@ class Toolbox:
             )
         )
         result = graded.exec
-        if result.outcome is ExecOutcome.SANDBOX_DIED:
+        if result.outcome in (ExecOutcome.SANDBOX_DIED, ExecOutcome.SANDBOX_LOST):
             return ToolResult(
                 f"Error: the sandbox died while running the tests: {result.stderr[-500:]}",
-                ToolErrorKind.SANDBOX_DIED,
+                _OUTCOME_KIND[result.outcome],
                 submitted=True,
                 answer=answer,
                 duration_ms=_ms(started),
@@ -256,7 +276,7 @@ def format_exec(result: ExecResult, timeout_s: float) -> str:
         note = f"[The command timed out after {timeout_s:g} s and was killed.]"
     elif result.outcome is ExecOutcome.OOM_KILLED:
         note = "[The command was killed: out of memory.]"
-    elif result.outcome is ExecOutcome.SANDBOX_DIED:
+    elif result.outcome in (ExecOutcome.SANDBOX_DIED, ExecOutcome.SANDBOX_LOST):
         note = "[The sandbox died.]"
     elif result.exit_code:
         note = f"[Exit code: {result.exit_code}]"

@@ -36,7 +36,7 @@ def test_episode_summary(analysis_store_url: str, analysis_run) -> None:
     assert df["n_tool_calls"].sum() == n_calls
     invalid = df.filter(~df["valid"])
     assert invalid["reward"].null_count() == invalid.height  # never scored as 0
-    assert set(invalid["outcome"]) <= {"sandbox_died", "model_error", "infra_error", "cancelled"}
+    assert set(invalid["outcome"]) <= {"sandbox_lost", "model_error", "infra_error", "cancelled"}
 
 
 def test_reward_by_version(analysis_store_url: str, analysis_run) -> None:
@@ -92,7 +92,7 @@ def test_failure_kinds(analysis_store_url: str, analysis_run) -> None:
     assert dict(zip(episode["kind"], episode["n"], strict=True)) == dict(expected)
     assert episode["share"].sum() == pytest.approx(1.0)
     infra = set(episode.filter(episode["infra"])["kind"])
-    assert infra == {"sandbox_died", "model_error"}
+    assert infra == {"sandbox_lost", "model_error"}
     tools = df.filter(df["level"] == "tool_call")
     assert "timed_out" in tools["kind"].to_list()
 

@@ -123,13 +123,15 @@ def _remove_container(name: str) -> None:
     raise AssertionError(f"podman rm {name} failed: {done.stderr.decode()[-500:]}")
 
 
-def test_removed_container_is_sandbox_died_and_replaced(sandbox_pool):
+def test_removed_container_is_sandbox_lost_and_replaced(sandbox_pool):
+    """The host removed the container: not the agent's doing, so ``sandbox_lost`` (infra)."""
+
     async def go():
         async with sandbox_pool(pool_size=1) as pool:
             box = await pool.acquire(episode_id="e", task_id="t")
             _remove_container(box.id)
             r = await box.exec("echo hi")
-            assert r.outcome is ExecOutcome.SANDBOX_DIED and not box.alive
+            assert r.outcome is ExecOutcome.SANDBOX_LOST and not box.alive and box.lost
             await pool.release(box)
             fresh = await pool.acquire(episode_id="e2", task_id="t")
             assert fresh.id != box.id and (await fresh.exec("echo ok")).ok

@@ -12,7 +12,7 @@ from collector.agent import EpisodeLimits, run_episode
 from collector.policy import TokenPolicy
 from collector.render import ChatRenderer
 from collector.tasks import Task
-from sandpiper.errors import InferenceError
+from sandpiper.errors import InferenceError, SandboxError, SandboxLostError
 from store.records import Role, StopReason, ToolErrorKind
 from tests.fixtures.collector import (
     FAKE_TOOL_SCHEMAS,
@@ -173,13 +173,23 @@ def test_context_limit(tiny_tokenizer):
     assert episode.total_tokens <= limits.context_limit + 40  # at most one tool delta over
 
 
-def test_sandbox_death_is_invalid_not_zero(tiny_tokenizer):
+@pytest.mark.parametrize(
+    ("error", "stop", "valid"),
+    [
+        (SandboxError("the agent broke its shell"), StopReason.SANDBOX_DIED, True),
+        (SandboxLostError("the host removed it"), StopReason.SANDBOX_LOST, False),
+    ],
+)
+def test_a_sandbox_broken_by_the_agent_is_graded_a_lost_one_invalid(
+    tiny_tokenizer, error, stop, valid
+):
+    """docs/security.md, outcome classes: what the agent's commands do to its sandbox is its
+    outcome (graded, here 0: no answer); only a container lost to the host is invalid."""
     sandbox = FakeSandbox()
 
     class Dying(FakeToolbox):
         async def call(self, name, arguments):
-            sandbox.die()
-            return await super().call(name, arguments)
+            raise error
 
     policy = ScriptedPolicy(tiny_tokenizer, [BASH_LS, SUBMIT_42])
     episode = asyncio.run(
@@ -193,8 +203,8 @@ def test_sandbox_death_is_invalid_not_zero(tiny_tokenizer):
             limits=EpisodeLimits(),
         )
     )
-    assert episode.stop_reason is StopReason.SANDBOX_DIED
-    assert not episode.valid and episode.reward is None and "sandbox" in episode.error
+    assert episode.stop_reason is stop and "sandbox" in episode.error
+    assert episode.valid is valid and episode.reward == (0.0 if valid else None)
     assert episode.turns[-1].role is Role.ASSISTANT  # the sampled turn is still stored
 
 
@@ -205,7 +215,8 @@ def test_dead_sandbox_before_start_and_model_errors_are_invalid(tiny_tokenizer, 
     dead = FakeSandbox()
     dead.die()
     episode, *_ = _run(tiny_tokenizer, [SUBMIT_42], task=task, sandbox=dead)
-    assert episode.stop_reason is StopReason.SANDBOX_DIED and episode.reward is None
+    # before the agent acted: not its doing
+    assert episode.stop_reason is StopReason.SANDBOX_LOST and episode.reward is None
     episode, *_ = _run(tiny_tokenizer, [InferenceError("server down")])
     assert episode.stop_reason is StopReason.MODEL_ERROR and not episode.valid
     assert episode.reward is None and "server down" in episode.error
@@ -279,3 +290,93 @@ def test_real_toolbox_turns_bad_calls_into_observations(tiny_tokenizer):
     ]
     assert episode.stop_reason is StopReason.NO_TOOL_CALL and episode.valid
     assert sandbox.commands == []  # nothing malformed reached the sandbox
+
+
+def test_a_collector_bug_in_one_episode_is_its_recorded_error_with_a_traceback(
+    tiny_tokenizer, caplog
+):
+    """A genuine bug stays visible (logged with its traceback, recorded as the episode's
+    error) but ends only its own episode, which is invalid (the policy did not cause it)."""
+    sandbox = FakeSandbox()
+
+    class Buggy(FakeToolbox):
+        async def call(self, name, arguments):
+            return {}["no such key"]
+
+    policy = ScriptedPolicy(tiny_tokenizer, [BASH_LS, SUBMIT_42])
+    with caplog.at_level("ERROR", logger="collector.agent"):
+        episode = asyncio.run(
+            run_episode(
+                episode_id="e",
+                sample_index=0,
+                task=MATH,
+                policy=TokenPolicy(policy, ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)),
+                sandbox=sandbox,
+                toolbox=Buggy(sandbox),
+                limits=EpisodeLimits(),
+            )
+        )
+    assert episode.stop_reason is StopReason.INFRA_ERROR and not episode.valid
+    assert episode.error.startswith("collector bug: KeyError")
+    assert [r.exc_info[0] for r in caplog.records] == [KeyError]  # with its traceback
+    assert len(episode.turns) == 2  # the prompt and the sampled turn are kept
+
+
+def test_run_pooled_episode_contains_an_exception_of_the_episode_and_replaces_its_sandbox(
+    tiny_tokenizer,
+):
+    from collector.agent import run_pooled_episode
+
+    released = []
+
+    class Pool:
+        async def acquire(self, **_):
+            return FakeSandbox("box-1")
+
+        async def release(self, sandbox, *, broken=False):
+            released.append((sandbox.id, broken))
+
+    async def exploding_run(**_):
+        raise RuntimeError("boom")
+
+    episode = asyncio.run(
+        run_pooled_episode(
+            Pool(),
+            episode_id="e",
+            sample_index=3,
+            task=MATH,
+            policy=TokenPolicy(
+                ScriptedPolicy(tiny_tokenizer, []), ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)
+            ),
+            make_toolbox=lambda box, task: FakeToolbox(box),
+            limits=EpisodeLimits(),
+            run=exploding_run,
+        )
+    )
+    assert episode.stop_reason is StopReason.INFRA_ERROR and episode.reward is None
+    assert episode.error == "collector bug: RuntimeError: boom" and episode.sample_index == 3
+    assert episode.sandbox_id == "box-1" and released == [("box-1", True)]
+
+
+@pytest.mark.parametrize("error", [OSError("reset op failed"), KeyError("bug")])
+def test_a_failing_reset_replaces_the_sandbox_instead_of_losing_a_pool_slot(error):
+    """Whatever an episode left that makes the reset fail, the container is replaced: an
+    escaped exception used to kill the recycling task and shrink the pool for good."""
+    from collector.sandbox.pool import SandboxPool
+    from sandpiper.config import SandboxConfig
+
+    class Box:
+        id, alive, closed = "box-x", True, False
+
+        async def reset(self):
+            raise error
+
+        async def close(self):
+            self.closed = True
+
+    pool = SandboxPool(SandboxConfig(), labels={})
+    started = []
+    pool._total, pool._spawn_start = 1, lambda: started.append(1)  # no real container
+    box = Box()
+    asyncio.run(pool._recycle(box, broken=False))
+    assert box.closed and pool._total == 0 and pool.idle_count == 0 and started == [1]

@@ -233,3 +233,24 @@ def test_a_group_that_raises_stops_the_collector_with_its_error(tiny_tokenizer, 
     assert collector._train_groups_started < 100
     # the failed groups' slots are freed: a restart (or another collector) reruns them
     assert _leased_then_freed(collector.store) == ["run/t0/0", "run/t1/0", "run/t2/0"]
+
+
+def test_a_bug_inside_episodes_is_their_outcome_and_the_daemon_goes_on(tiny_tokenizer, tmp_path):
+    """Unlike a broken pool (above), an exception inside one episode (here every other
+    toolbox raises) is that episode's record; every group is still stored."""
+    collector, _, writer, _ = _collector(tiny_tokenizer, tmp_path, _config(max_groups=4))
+    made = []
+
+    def toolbox(box, task):
+        made.append(1)
+        if len(made) % 2:
+            raise ZeroDivisionError("a bug in the toolbox factory")
+        return FakeToolbox(box)
+
+    collector.toolbox_factory = toolbox
+    metrics = asyncio.run(_run(collector))
+    episodes = [e for g in writer.groups for e in g.episodes]
+    assert metrics.groups_total == 4 and len(episodes) == 8
+    bugs = [e for e in episodes if not e.valid]
+    assert len(bugs) == 4 and all("collector bug: ZeroDivisionError" in e.error for e in bugs)
+    assert all(e.valid and e.reward == 1.0 for e in episodes if e not in bugs)

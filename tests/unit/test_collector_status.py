@@ -17,7 +17,7 @@ def _episode(reward, valid=True, version=2, n=5):
         np.full(n, version, np.int32), True,
     )  # fmt: skip
     return EpisodeRecord(
-        "e", 0, StopReason.SUBMITTED if valid else StopReason.SANDBOX_DIED, valid, True,
+        "e", 0, StopReason.SUBMITTED if valid else StopReason.SANDBOX_LOST, valid, True,
         reward, {}, (turn,), utcnow(), 1.0, None,
     )  # fmt: skip
 

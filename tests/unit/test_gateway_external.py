@@ -9,13 +9,15 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from collector.agent import EpisodeLimits
 from collector.gateway.external import run_external_episode
 from collector.gateway.server import Gateway, GatewaySettings
 from collector.render import ChatRenderer
 from collector.tasks import Task
-from store.records import Role, StopReason
+from collector.tools.base import ToolResult
+from store.records import Role, StopReason, ToolErrorKind
 from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, FakeSandbox, FakeToolbox, ScriptedPolicy
 
 BASH_LS = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "ls"}}\n</tool_call>'
@@ -46,7 +48,8 @@ AGENT = textwrap.dedent(
 )
 
 
-def _episode(tokenizer, replies, *, calls=2, exit_code=0, timeout_s=60.0, limits=None):
+def _episode(tokenizer, replies, *, calls=2, exit_code=0, timeout_s=60.0, limits=None,
+             toolbox_type=FakeToolbox):  # fmt: skip
     import json
 
     task = Task(
@@ -64,7 +67,7 @@ def _episode(tokenizer, replies, *, calls=2, exit_code=0, timeout_s=60.0, limits
     policy = ScriptedPolicy(tokenizer, replies, version=4)
     renderer = ChatRenderer(tokenizer, FAKE_TOOL_SCHEMAS)
     sandbox = FakeSandbox()
-    toolbox = FakeToolbox(sandbox, test_reward=1.0)
+    toolbox = toolbox_type(sandbox, test_reward=1.0)
     limits = limits or EpisodeLimits()
 
     async def main():
@@ -171,3 +174,24 @@ def test_mini_swe_agent_unmodified_through_the_gateway(tiny_tokenizer, repo_root
     # the stored sequence is exactly what the model was sent and sampled
     ids = np.concatenate([t.token_ids_T for t in episode.turns]).tolist()
     assert ids[: len(policy.prompts[-1])] == policy.prompts[-1]
+
+
+@pytest.mark.parametrize(
+    ("kind", "stop", "valid"),
+    [(ToolErrorKind.SANDBOX_DIED, StopReason.SANDBOX_DIED, True),
+     (ToolErrorKind.SANDBOX_LOST, StopReason.SANDBOX_LOST, False)],
+)  # fmt: skip
+def test_a_sandbox_broken_while_grading_is_graded_unless_the_host_lost_it(
+    tiny_tokenizer, kind, stop, valid
+):
+    """docs/security.md, outcome classes: the external agent's own doing is graded (0)."""
+
+    class Breaking(FakeToolbox):
+        async def call(self, name, arguments):
+            if name == "submit":
+                return ToolResult("Error: the sandbox failed", kind, submitted=True)
+            return await super().call(name, arguments)
+
+    episode, _, _ = _episode(tiny_tokenizer, [BASH_LS, "done"], toolbox_type=Breaking)
+    assert episode.stop_reason is stop and episode.valid is valid
+    assert episode.reward == (0.0 if valid else None)
