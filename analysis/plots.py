@@ -230,6 +230,6 @@ def replay(summary: pl.DataFrame) -> Figure:
         ax.set(title=label, xlim=xlim)
         ax.tick_params(axis="x", labelsize=8)
     axes[0].invert_yaxis()
-    steps = summary["steps"].max()
+    steps = str(summary["steps"].max())
     fig.suptitle(f"Estimators on the stored batches (mean over {steps} learner steps)")
     return fig

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 from collector.parsers import (
     DEFAULT_MAX_ARGUMENT_BYTES,
     ParsedToolCall,
+    ToolFormat,
     submission_answer,
     system_prompt_for,
 )
@@ -108,7 +109,7 @@ class EpisodeLimits:
     """Maximum tokens in the context (prompt + all segments): the server's max_model_len."""
     temperature: float = 1.0
     top_p: float = 1.0
-    tool_format: str = "hermes"
+    tool_format: ToolFormat = "hermes"
     max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES
     system_prompt: str = SYSTEM_PROMPT
 
@@ -219,7 +220,7 @@ async def run_episode(
             "role": "system",
             "content": task.system_prompt
             or system_prompt_for(limits.tool_format, limits.system_prompt),
-        },  # type: ignore[arg-type]
+        },
         {"role": "user", "content": task.instruction},
     ]
     state = _State(episode_id=episode_id)

@@ -29,7 +29,12 @@ import numpy as np
 
 from collector.inference.base import PolicyClient, SamplingParams
 from collector.inference.vllm_client import ContextLengthExceeded
-from collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES, ParsedToolCall, parse_tool_calls
+from collector.parsers import (
+    DEFAULT_MAX_ARGUMENT_BYTES,
+    ParsedToolCall,
+    ToolFormat,
+    parse_tool_calls,
+)
 from collector.render import ChatRenderer
 from sandpiper.errors import SandpiperError
 from store.records import Role, StopReason, ToolCallRecord, TurnRecord
@@ -48,7 +53,7 @@ class PolicyLimits:
     """Maximum tokens in the context (token mode: prompt + all segments)."""
     temperature: float = 1.0
     top_p: float = 1.0
-    tool_format: str = "hermes"
+    tool_format: ToolFormat = "hermes"
     max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES
 
 
@@ -187,7 +192,7 @@ class TokenSession:
             truncated = StopReason.CONTEXT_EXCEEDED if full else StopReason.MAX_TOKENS
         parsed = parse_tool_calls(
             renderer.strip_eos(text),
-            limits.tool_format,  # type: ignore[arg-type]
+            limits.tool_format,
             tool_schemas=renderer.tools,
             max_argument_bytes=limits.max_argument_bytes,
         )

@@ -77,7 +77,11 @@ def batch_advantages(
     for group in groups:
         valid = [e.valid and e.reward is not None for e in group.episodes]
         invalid += valid.count(False)
-        all_rewards.extend(e.reward for e, ok in zip(group.episodes, valid, strict=True) if ok)
+        all_rewards.extend(
+            e.reward
+            for e, ok in zip(group.episodes, valid, strict=True)
+            if ok and e.reward is not None
+        )
     batch_spread = float(np.std(all_rewards)) if all_rewards else 0.0
     for group in groups:
         rewards = [e.reward for e in group.episodes]

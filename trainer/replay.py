@@ -378,6 +378,7 @@ def replay_run(
             continue
         with store.connect_readonly() as conn:
             groups = load_groups(store, conn, list(b.group_ids), b.from_version)
+        assert b.checkpoint_uri is not None  # a missing checkpoint was skipped above
         model = load_model(b.checkpoint_uri)
         rows = replay_step(model, groups, b.from_version, variants,
                            micro_batch_tokens=micro_batch_tokens, ref_model=ref_model)  # fmt: skip

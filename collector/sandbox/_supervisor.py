@@ -657,6 +657,8 @@ def drop_bounding_set() -> None:
     as non-root uids) can gain a capability at exec, whatever its file capabilities. The
     supervisor keeps the capabilities it already holds."""
     pr_capbset_drop = 24
+    if _LIBC is None:  # loaded by main() before any command runs
+        raise OSError("libc is not loaded: cannot drop the capability bounding set")
     for cap in range(64):
         if _LIBC.prctl(pr_capbset_drop, cap, 0, 0, 0) != 0:
             err = ctypes.get_errno()
