@@ -284,7 +284,7 @@ class Gateway:
             text=text, tool_calls=tuple(good), started_at=started,
             duration_ms=(time.perf_counter() - t0) * 1000, messages=messages, returned=message,
         )  # fmt: skip
-        if check is not None:  # the re-tokenization check runs after the reply, off its path
+        if check is not None:  # the re-tokenization check runs when the episode closes
             session.check_later(call, check)
         return api.chat_response(
             response_id=f"chatcmpl-{session.episode_id[:12]}-{index}",
