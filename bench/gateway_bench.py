@@ -20,6 +20,10 @@ Figures (``--json``: one JSON object on the last line):
   model instead of vLLM (HTTP hop + rendering + splicing + parsing + recording), and
   ``stub_server_cpu_ms_per_call``: CPU time of this process per call then (the gateway plus
   the bench's control route), the figure that does not depend on the machine's load.
+- ``call_path_cpu_ms``: CPU time of this process per chat call driven straight into the
+  gateway's ASGI app with the instant model (no sockets, no agent process: the figure least
+  touched by the machine's load), and ``close_cpu_ms_per_episode`` (the deferred
+  re-tokenization checks, run when an episode closes).
 - ``load_avg_1m``: the machine's load average when the run started and ended.
 
 ``--profile FILE`` adds a stub run (one episode at a time) under cProfile and writes it.
@@ -195,6 +199,75 @@ async def measure(
     return {"gateway_ms": pairs[:, 0], "direct_ms": pairs[:, 1], "cpu_s": cpu_s}
 
 
+async def _asgi_post(app, path: str, body: bytes) -> tuple[int, bytes]:
+    """One POST straight into the ASGI app (no sockets, no HTTP parsing)."""
+    sent: list[dict[str, Any]] = []
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+        "query_string": b"", "headers": [(b"content-type", b"application/json")],
+        "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
+    }  # fmt: skip
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+async def call_path_cpu(renderer, args, episodes: int) -> dict[str, float]:
+    """CPU time of this process per chat call through the gateway's ASGI app with the instant
+    model (routing, parsing, rendering, splicing, recording, the JSON answer; not uvicorn's
+    HTTP parsing), and per episode close (the deferred re-tokenization checks)."""
+    from collector.gateway.server import Gateway, GatewaySettings
+    from collector.tools import offered_schemas
+
+    tools = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")
+    reply = renderer.encode('<tool_call>\n{"name": "execute_bash", "arguments": '
+                            '{"command": "ls"}}\n</tool_call>') + list(renderer.stop_token_ids)  # fmt: skip
+    settings = GatewaySettings(
+        model_names=("policy",), temperature=0.0, max_tokens_per_turn=args.max_tokens,
+        context_limit=args.max_model_len,
+    )  # fmt: skip
+    gateway = Gateway(client=StubClient(reply), renderer=renderer, settings=settings)
+    call_cpu = close_cpu = 0.0
+    n_calls = 0
+    for i in range(-5, episodes):  # 5 warm-up episodes
+        eid = f"cpu-{i}"
+        gateway.open_episode(eid)
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are an agent in a Linux sandbox."},
+            {"role": "user", "content": f"Task {i}: list the files in /workspace."},
+        ]
+        for turn in range(args.turns):
+            body = json.dumps({"model": "policy", "messages": messages, "tools": tools}).encode()
+            c0 = time.process_time()
+            status, answer = await _asgi_post(
+                gateway.app, f"/episodes/{eid}/v1/chat/completions", body
+            )
+            spent = time.process_time() - c0
+            assert status == 200, answer
+            reply_msg = json.loads(answer)["choices"][0]["message"]
+            messages.append(reply_msg)
+            call_id = (reply_msg.get("tool_calls") or [{"id": "none"}])[0]["id"]
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": f"out {turn}"})
+            if i >= 0:
+                call_cpu += spent
+                n_calls += 1
+        c0 = time.process_time()
+        await gateway.close_episode(eid).settle()
+        if i >= 0:
+            close_cpu += time.process_time() - c0
+    return {
+        "call_path_cpu_ms": round(call_cpu * 1000 / n_calls, 3),
+        "close_cpu_ms_per_episode": round(close_cpu * 1000 / episodes, 3),
+    }
+
+
 def _figures(m: dict[str, Any], prefix: str, suffix: str) -> dict[str, float]:
     added = m["gateway_ms"] - m["direct_ms"]
     g50, d50 = float(np.percentile(m["gateway_ms"], 50)), float(np.percentile(m["direct_ms"], 50))
@@ -236,6 +309,7 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
         reply = renderer.encode('<tool_call>\n{"name": "execute_bash", "arguments": '
                                 '{"command": "ls"}}\n</tool_call>') + list(renderer.stop_token_ids)  # fmt: skip
         stub = StubClient(reply)
+        out |= await call_path_cpu(renderer, args, args.episodes)
         one = await measure(stub, renderer, args, 1, args.episodes)
         out |= _figures(one, "stub", "")
         out["stub_server_cpu_ms_per_call"] = round(one["cpu_s"] * 1000 / len(one["gateway_ms"]), 3)

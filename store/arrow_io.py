@@ -388,8 +388,7 @@ def train_episodes(
     lengths = packed_lengths(turns["token_ids"], "<i4")
     tokens = unpack(turns["token_ids"], "<i4")
     trainable = turns["trainable"].to_numpy(zero_copy_only=False).astype(bool)
-    turn_of_token = np.repeat(np.arange(turns.num_rows), lengths)
-    mask = trainable[turn_of_token]
+    mask = np.repeat(trainable, lengths)  # per token: its turn's flag (no index array)
     logprobs = np.full(len(tokens), np.nan, np.float32)
     versions = np.full(len(tokens), -1, np.int32)
     logprobs[mask] = _sampled_values(turns, trainable)
