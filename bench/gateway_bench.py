@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -289,7 +290,7 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
     from collector.render import ChatRenderer
     from collector.tools import offered_schemas
 
-    server = None
+    server = scratch = None
     url, model_dir = args.url, args.model_dir
     out: dict[str, float] = {"load_avg_1m_start": round(os.getloadavg()[0], 1)}
     if args.stub_only:
@@ -298,7 +299,8 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
         from collector.inference.server import VLLMServer
         from sandpiper.tiny_model import init_tiny_model
 
-        model_dir = init_tiny_model(Path(tempfile.mkdtemp()) / "tiny-model")
+        scratch = tempfile.mkdtemp(prefix="gateway-bench-")
+        model_dir = init_tiny_model(Path(scratch) / "tiny-model")
         server = VLLMServer(model_dir=model_dir, port=args.port, max_model_len=args.max_model_len)
         await asyncio.to_thread(server.start)
         url = server.url
@@ -328,6 +330,8 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
     finally:
         if server is not None:
             server.stop()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     out["load_avg_1m_end"] = round(os.getloadavg()[0], 1)
     return out
 
