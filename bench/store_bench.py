@@ -21,6 +21,18 @@ Figures (one line each; with ``--json`` the last line is one JSON object):
 - ``batch_fetch_ms_p50``: ``claim_batch`` of 64 groups × 8 trajectories (claim + load).
 - ``read_during_write_ms_p50``: a read-only query (open, count, close) while another thread
   keeps committing batches.
+- ``*_cpu_*``: the same in CPU seconds of this process (all threads), which the machine's
+  other load blurs far less than wall time; ``load_avg_1m_start`` / ``_end`` say how loaded
+  it was. One untimed warm-up batch goes through both paths first (a process's first batch
+  pays one-off costs that would land on whichever side ran first).
+
+Where the time goes (issue 17, CPU per 2,000-trajectory batch, details in
+docs/perf-issue17.md): records → Arrow 0.22 s (0.59 s before this session's column-wise
+``groups_to_arrow``), validation ~0.01 s (~0.15 s), the DuckDB insert of the packed arrays
+with zstd ~0.22 s plus open/dedup/commit ~0.13 s, against pyarrow's Parquet + zstd write of
+0.12 s; the conversion is shared by both sides, so the ratio stays below 0.8 however fast it
+gets. A 64-group claim: ~140–160 ms CPU (open 20, SQL 25, scan 50, numpy 26, close 25).
+PostgreSQL: 178 MB for 2,000 trajectories (24× Parquet): TOAST compresses values one by one.
 """
 
 from __future__ import annotations
