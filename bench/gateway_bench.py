@@ -168,7 +168,7 @@ async def measure(
     )
     control = uvicorn.Server(
         uvicorn.Config(control_app, host="127.0.0.1", port=0, log_level="warning",
-                       access_log=False, lifespan="off")
+                       access_log=False, lifespan="off", timeout_keep_alive=900)
     )  # fmt: skip
     control_task = asyncio.create_task(control.serve())
     await gateway.serve()
