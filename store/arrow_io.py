@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -36,12 +37,13 @@ def _packed_array(arrays: Sequence[np.ndarray | None], dtype: str) -> pa.Array:
     np.cumsum(lengths, out=offsets[1:])
     present = [np.asarray(a, dtype) for a in arrays if a is not None]
     values = np.concatenate(present) if present else np.zeros(0, dtype)
+    # the numpy buffer itself (no ``tobytes`` copy of the batch's ~100 MB of tokens)
     nulls = np.fromiter((a is None for a in arrays), bool, n)
     validity = pa.py_buffer(np.packbits(~nulls, bitorder="little")) if nulls.any() else None
     return pa.LargeBinaryArray.from_buffers(
         pa.large_binary(),
         n,
-        [validity, pa.py_buffer(offsets), pa.py_buffer(values.tobytes())],
+        [validity, pa.py_buffer(offsets), pa.py_buffer(values)],
         null_count=int(nulls.sum()),
     )
 
@@ -144,118 +146,175 @@ def group_status(group: GroupRecord) -> GroupStatus:
 
 
 def groups_to_arrow(groups: Sequence[GroupRecord], now: datetime) -> dict[str, pa.Table]:
-    """Flatten whole groups into one Arrow table per bulk table (keys: table names)."""
-    g_cols: dict[str, list] = {c.name: [] for c in schema.groups.c}
-    s_cols: dict[str, list] = {c.name: [] for c in schema.group_states.c}
-    e_cols: dict[str, list] = {c.name: [] for c in schema.episodes.c}
-    t_cols: dict[str, list] = {c.name: [] for c in schema.turns.c}
-    c_cols: dict[str, list] = {c.name: [] for c in schema.tool_calls.c}
-    for g in groups:
-        ranges = [r for e in g.episodes if (r := e.policy_version_range) is not None]
-        g_row = {
-            "group_id": g.group_id,
-            "run_id": g.run_id,
-            "task_id": g.task_id,
-            "split": str(g.split),
-            "sampling_params": json.dumps(g.sampling_params),
-            "n_episodes": len(g.episodes),
-            "n_valid": sum(e.valid for e in g.episodes),
-            "min_policy_version": min(r[0] for r in ranges) if ranges else None,
-            "max_policy_version": max(r[1] for r in ranges) if ranges else None,
-            "created_at": g.created_at,
-            "committed_at": now,
-            "collector_id": g.collector_id,
-        }
-        s_row = {
-            "group_id": g.group_id,
-            "run_id": g.run_id,
-            "status": str(group_status(g)),
-            "claim_id": None,
-            "claimed_by": None,
-            "lease_expires_at": None,
-            "consumed_by_step": None,
-            "updated_at": now,
-        }
-        for cols, row in ((g_cols, g_row), (s_cols, s_row)):
-            for k, v in row.items():
-                cols[k].append(v)
-        for e in g.episodes:
-            _add_episode(g, e, e_cols, t_cols, c_cols)
-    turn_arrays = {
-        "token_ids": _packed_array(t_cols["token_ids"], "<i4"),
-        "logprobs": _packed_array(t_cols["logprobs"], "<f4"),
+    """Flatten whole groups into one Arrow table per bulk table (keys: table names).
+
+    Column-wise, not row by row: per-token work (packing, version change points, version
+    ranges) runs once on buffers concatenated over the whole batch (see :func:`_versions`);
+    Python only walks the records to collect references (measured: 0.59 → ~0.15 s CPU for
+    2,000 trajectories × 20 turns × 500 tokens).
+    """
+    # Comprehensions over the records, no per-row tuples: a batch has ~40,000 turns, and
+    # allocating a container per row wakes the cyclic GC over the whole record graph.
+    eps = [e for g in groups for e in g.episodes]
+    eps_group = [g for g in groups for _ in g.episodes]
+    turns = [t for e in eps for t in e.turns]
+    turns_episode = [e for e in eps for _ in e.turns]
+    turns_group = [g for g in groups for e in g.episodes for _ in e.turns]
+    for g, e, t in zip(turns_group, turns_episode, turns, strict=True):
+        _check_turn(g.group_id, e.episode_id, t)
+    versions = _versions([t.policy_versions_T for t in turns], [len(e.turns) for e in eps])
+    ep_ranges = versions.episode_ranges
+    g_ranges: dict[str, list[tuple[int, int]]] = {g.group_id: [] for g in groups}
+    for g, r in zip(eps_group, ep_ranges, strict=True):
+        if r is not None:
+            g_ranges[g.group_id].append(r)
+    n_groups = len(groups)
+    g_cols = {
+        "group_id": [g.group_id for g in groups],
+        "run_id": [g.run_id for g in groups],
+        "task_id": [g.task_id for g in groups],
+        "split": [str(g.split) for g in groups],
+        "sampling_params": [json.dumps(g.sampling_params) for g in groups],
+        "n_episodes": [len(g.episodes) for g in groups],
+        "n_valid": [sum(e.valid for e in g.episodes) for g in groups],
+        "min_policy_version": [
+            min((r[0] for r in g_ranges[g.group_id]), default=None) for g in groups
+        ],
+        "max_policy_version": [
+            max((r[1] for r in g_ranges[g.group_id]), default=None) for g in groups
+        ],
+        "created_at": [g.created_at for g in groups],
+        "committed_at": [now] * n_groups,
+        "collector_id": [g.collector_id for g in groups],
+    }
+    s_cols = {
+        "group_id": g_cols["group_id"],
+        "run_id": g_cols["run_id"],
+        "status": [str(group_status(g)) for g in groups],
+        "claim_id": [None] * n_groups,
+        "claimed_by": [None] * n_groups,
+        "lease_expires_at": [None] * n_groups,
+        "consumed_by_step": [None] * n_groups,
+        "updated_at": [now] * n_groups,
+    }
+    e_cols = {
+        "episode_id": [e.episode_id for e in eps],
+        "group_id": [g.group_id for g in eps_group],
+        "run_id": [g.run_id for g in eps_group],
+        "task_id": [g.task_id for g in eps_group],
+        "sample_index": [e.sample_index for e in eps],
+        "stop_reason": [str(e.stop_reason) for e in eps],
+        "valid": [e.valid for e in eps],
+        "trainable": [e.trainable for e in eps],
+        "reward": [e.reward for e in eps],
+        "reward_breakdown": [json.dumps(e.reward_breakdown) for e in eps],
+        "min_policy_version": [None if r is None else r[0] for r in ep_ranges],
+        "max_policy_version": [None if r is None else r[1] for r in ep_ranges],
+        "n_turns": [len(e.turns) for e in eps],
+        "completion_tokens": [e.completion_tokens for e in eps],
+        "total_tokens": [e.total_tokens for e in eps],
+        "started_at": [e.started_at for e in eps],
+        "duration_ms": [e.duration_ms for e in eps],
+        "sandbox_id": [e.sandbox_id for e in eps],
+        "error": [e.error for e in eps],
+    }
+    t_cols = {
+        "episode_id": [e.episode_id for e in turns_episode],
+        "turn_index": [t.index for t in turns],
+        "group_id": [g.group_id for g in turns_group],
+        "role": [str(t.role) for t in turns],
+        "text": [t.text for t in turns],
+        "token_ids": _packed_array([t.token_ids_T for t in turns], "<i4"),
+        "logprobs": _packed_array([t.logprobs_T for t in turns], "<f4"),
+        "policy_version": versions.first,
+        "policy_version_changes": versions.changes,
+        "trainable": [t.trainable for t in turns],
+        "n_tokens": [len(t.token_ids_T) for t in turns],
+        "started_at": [t.started_at for t in turns],
+        "duration_ms": [t.duration_ms for t in turns],
+    }
+    calls = [c for t in turns for c in t.tool_calls]
+    calls_turn = [t for t in turns for _ in t.tool_calls]
+    calls_episode = [e for e, t in zip(turns_episode, turns, strict=True) for _ in t.tool_calls]
+    calls_group = [g for g, t in zip(turns_group, turns, strict=True) for _ in t.tool_calls]
+    c_cols = {
+        "episode_id": [e.episode_id for e in calls_episode],
+        "turn_index": [t.index for t in calls_turn],
+        "call_index": [c.index for c in calls],
+        "group_id": [g.group_id for g in calls_group],
+        "name": [c.name for c in calls],
+        "arguments": [c.arguments_json for c in calls],
+        "output": [c.output for c in calls],
+        "output_bytes_total": [c.output_bytes_total for c in calls],
+        "exit_code": [c.exit_code for c in calls],
+        "duration_ms": [c.duration_ms for c in calls],
+        "timed_out": [c.timed_out for c in calls],
+        "error_kind": [str(c.error_kind) for c in calls],
     }
     return {
         "groups": _table(schema.groups, g_cols),
         "group_states": _table(schema.group_states, s_cols),
         "episodes": _table(schema.episodes, e_cols),
-        "turns": _table(schema.turns, {**t_cols, **turn_arrays}),
+        "turns": _table(schema.turns, t_cols),
         "tool_calls": _table(schema.tool_calls, c_cols),
     }
 
 
-def _add_episode(g: GroupRecord, e, e_cols: dict, t_cols: dict, c_cols: dict) -> None:
-    vr = e.policy_version_range
-    row = {
-        "episode_id": e.episode_id,
-        "group_id": g.group_id,
-        "run_id": g.run_id,
-        "task_id": g.task_id,
-        "sample_index": e.sample_index,
-        "stop_reason": str(e.stop_reason),
-        "valid": e.valid,
-        "trainable": e.trainable,
-        "reward": e.reward,
-        "reward_breakdown": json.dumps(e.reward_breakdown),
-        "min_policy_version": vr[0] if vr else None,
-        "max_policy_version": vr[1] if vr else None,
-        "n_turns": len(e.turns),
-        "completion_tokens": e.completion_tokens,
-        "total_tokens": e.total_tokens,
-        "started_at": e.started_at,
-        "duration_ms": e.duration_ms,
-        "sandbox_id": e.sandbox_id,
-        "error": e.error,
-    }
-    for k, v in row.items():
-        e_cols[k].append(v)
-    for t in e.turns:
-        _check_turn(g.group_id, e.episode_id, t)
-        version, changes = version_runs(t.policy_versions_T)
-        t_row = {
-            "episode_id": e.episode_id,
-            "turn_index": t.index,
-            "group_id": g.group_id,
-            "role": str(t.role),
-            "text": t.text,
-            "token_ids": t.token_ids_T,
-            "logprobs": t.logprobs_T,
-            "policy_version": version,
-            "policy_version_changes": changes,
-            "trainable": t.trainable,
-            "n_tokens": len(t.token_ids_T),
-            "started_at": t.started_at,
-            "duration_ms": t.duration_ms,
-        }
-        for k, v in t_row.items():
-            t_cols[k].append(v)
-        for c in t.tool_calls:
-            c_row = {
-                "episode_id": e.episode_id,
-                "turn_index": t.index,
-                "call_index": c.index,
-                "group_id": g.group_id,
-                "name": c.name,
-                "arguments": c.arguments_json,
-                "output": c.output,
-                "output_bytes_total": c.output_bytes_total,
-                "exit_code": c.exit_code,
-                "duration_ms": c.duration_ms,
-                "timed_out": c.timed_out,
-                "error_kind": str(c.error_kind),
-            }
-            for k, v in c_row.items():
-                c_cols[k].append(v)
+def only_groups(tables: dict[str, pa.Table], group_ids: Sequence[str]) -> dict[str, pa.Table]:
+    """The rows of ``tables`` (from :func:`groups_to_arrow`) that belong to ``group_ids``;
+    the tables themselves when that is every group (no copy)."""
+    if len(group_ids) == tables["groups"].num_rows:
+        return tables
+    keep = pa.array(group_ids, pa.string())
+    return {n: t.filter(pc.is_in(t["group_id"], value_set=keep)) for n, t in tables.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class _Versions:
+    first: list[int | None]
+    """Per turn: :func:`version_runs`' first value."""
+    changes: list[list[int] | None]
+    """Per turn: :func:`version_runs`' change points."""
+    episode_ranges: list[tuple[int, int] | None]
+    """Per episode: ``EpisodeRecord.policy_version_range``."""
+
+
+def _versions(per_turn: list[np.ndarray | None], turns_per_episode: list[int]) -> _Versions:
+    """:func:`version_runs` of every turn and the version range of every episode, computed
+    on one buffer of all the batch's versions (same values as the per-record functions)."""
+    n_turns = len(per_turn)
+    lengths = np.fromiter((0 if v is None else len(v) for v in per_turn), np.int64, n_turns)
+    present = [v for v in per_turn if v is not None and len(v)]
+    if not present:
+        return _Versions([None] * n_turns, [None] * n_turns, [None] * len(turns_per_episode))
+    flat = np.concatenate([np.asarray(v) for v in present]).astype(np.int64)
+    starts = np.zeros(n_turns, np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    has = lengths > 0
+    first_arr = np.zeros(n_turns, np.int64)
+    first_arr[has] = flat[starts[has]]
+    first = [int(v) if h else None for v, h in zip(first_arr.tolist(), has.tolist(), strict=True)]
+    changes: list[list[int] | None] = [None] * n_turns
+    at = np.flatnonzero(flat[1:] != flat[:-1]) + 1
+    at = at[~np.isin(at, starts[has])]  # a new turn starting is not a change inside a turn
+    for i in np.unique(np.searchsorted(starts, at, side="right") - 1).tolist():
+        changes[i] = version_runs(per_turn[i])[1]  # only turns sampled across an update
+    # per-episode (min, max) over non-negative versions (-1 marks an unknown version)
+    ep_bounds = np.zeros(len(turns_per_episode) + 1, np.int64)
+    np.cumsum(turns_per_episode, out=ep_bounds[1:])
+    tok_bounds = np.r_[starts, len(flat)][ep_bounds]
+    known = flat >= 0
+    lo = np.where(known, flat, np.iinfo(np.int64).max)
+    hi = np.where(known, flat, -1)
+    nonempty = np.flatnonzero(tok_bounds[1:] > tok_bounds[:-1])
+    ranges: list[tuple[int, int] | None] = [None] * len(turns_per_episode)
+    if len(nonempty):
+        mins = np.minimum.reduceat(lo, tok_bounds[nonempty]).tolist()
+        maxs = np.maximum.reduceat(hi, tok_bounds[nonempty]).tolist()
+        for i, a, b in zip(nonempty.tolist(), mins, maxs, strict=True):
+            if b >= 0:
+                ranges[i] = (a, b)
+    return _Versions(first, changes, ranges)
 
 
 TRAIN_TURN_COLUMNS = (
@@ -329,8 +388,7 @@ def train_episodes(
     lengths = packed_lengths(turns["token_ids"], "<i4")
     tokens = unpack(turns["token_ids"], "<i4")
     trainable = turns["trainable"].to_numpy(zero_copy_only=False).astype(bool)
-    turn_of_token = np.repeat(np.arange(turns.num_rows), lengths)
-    mask = trainable[turn_of_token]
+    mask = np.repeat(trainable, lengths)  # per token: its turn's flag (no index array)
     logprobs = np.full(len(tokens), np.nan, np.float32)
     versions = np.full(len(tokens), -1, np.int32)
     logprobs[mask] = _sampled_values(turns, trainable)

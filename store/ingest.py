@@ -88,6 +88,11 @@ def write(store, groups: list[GroupRecord]) -> WriteReport:
     if not batch:
         return WriteReport({})
     now = datetime.now(UTC)
+    # Arrow conversion before taking the store (on DuckDB a file lock that every reader and
+    # the learner's claim wait on); the groups found stored or superseded inside are
+    # filtered out of these tables, which in the usual case is none of them.
+    candidates = [g for gid, g in batch.items() if gid not in outcomes]
+    all_tables = arrow_io.groups_to_arrow(candidates, now) if candidates else None
     with store._write() as conn:
         stored = _stored_episodes(conn, list(batch))
         fresh: list[GroupRecord] = []
@@ -110,7 +115,8 @@ def write(store, groups: list[GroupRecord]) -> WriteReport:
             else:
                 fresh.append(g)
         if fresh:
-            tables = arrow_io.groups_to_arrow(fresh, now)
+            assert all_tables is not None
+            tables = arrow_io.only_groups(all_tables, [g.group_id for g in fresh])
             new = set(store.backend.insert_new(conn, tables).to_pylist())
             for g in fresh:
                 # a concurrent writer may have stored the same id in between (PostgreSQL)

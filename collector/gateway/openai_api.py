@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a surrogate code point (a pair, or a lone one to replace)."""
 
 REFUSED = (
     "logit_bias",
@@ -78,6 +80,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if not _ESCAPED_SURROGATE.search(raw):
+        return body  # UTF-8 cannot hold a surrogate: only a \\uD8xx-\\uDFxx escape makes one
     text = json.dumps(body, ensure_ascii=False)
     if _SURROGATE.search(text):
         body = json.loads(_SURROGATE.sub("\ufffd", text))

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 GATEWAY_MODEL_NAME = "policy"
 """The model name clients send (the run's name is accepted too)."""
 
+KEEP_ALIVE_S = 900
+"""Seconds an idle client connection stays open (longer than an agent's tool calls)."""
+
 ExecFn = Callable[[str, float], Awaitable[dict[str, Any]]]
 """Runs a shell command in an episode's sandbox: (command, timeout_s) → result JSON."""
 
@@ -149,9 +152,13 @@ class Gateway:
         """Serve on ``host:port`` (0: a free port) in this event loop; returns the URL."""
         import uvicorn
 
+        # An agent keeps its connection between calls while its tools run; uvicorn's default
+        # 5 s keep-alive closes it meanwhile, and a client that reuses it just as it closes
+        # gets a connection error (seen as httpx.ReadError in bench/gateway_bench.py).
         config = uvicorn.Config(
-            self.app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
-        )
+            self.app, host=host, port=port, log_level="warning", access_log=False,
+            lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
+        )  # fmt: skip
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
@@ -284,7 +291,7 @@ class Gateway:
             text=text, tool_calls=tuple(good), started_at=started,
             duration_ms=(time.perf_counter() - t0) * 1000, messages=messages, returned=message,
         )  # fmt: skip
-        if check is not None:  # the re-tokenization check runs after the reply, off its path
+        if check is not None:  # the re-tokenization check runs when the episode closes
             session.check_later(call, check)
         return api.chat_response(
             response_id=f"chatcmpl-{session.episode_id[:12]}-{index}",

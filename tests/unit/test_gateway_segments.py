@@ -47,3 +47,11 @@ def test_a_user_turn_after_the_first_starts_a_segment():
         np.concatenate([episode.token_ids_T[a:b] for a, b in episode.segments()]),
         episode.token_ids_T,
     )
+
+
+def test_parse_body_replaces_only_lone_surrogates():
+    from collector.gateway.openai_api import parse_body
+
+    assert parse_body(b'{"a": "\\ud800x", "b": "\\uDFFF"}') == {"a": "\ufffdx", "b": "\ufffd"}
+    assert parse_body(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}  # a pair is a character
+    assert parse_body('{"a": "é 😀"}'.encode()) == {"a": "é 😀"}

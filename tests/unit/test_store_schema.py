@@ -184,3 +184,48 @@ def test_schema_version_messages_say_what_to_run():
         migrations.check(0, "duckdb:///x")
     with pytest.raises(SchemaVersionError, match="upgrade sandpiper"):
         migrations.check(latest + 1, "duckdb:///x")
+
+
+def test_batch_version_columns_equal_the_per_record_definitions():
+    """groups_to_arrow computes version scalars, change points and version ranges on one
+    buffer for the whole batch; they must equal version_runs / policy_version_range of each
+    record, including empty turns, -1 (unknown) versions, changes inside a turn, a change
+    right at a turn boundary, float versions and episodes without turns."""
+    rng = np.random.default_rng(7)
+    groups = [make_group(f"g{i}", n_turns=6, tokens_per_turn=5, policy_version=i) for i in range(4)]
+    turns = [t for g in groups for e in g.episodes for t in e.turns]
+    for t in turns:
+        if t.policy_versions_T is None:
+            continue
+        kind = rng.integers(5)
+        n = len(t.policy_versions_T)
+        if kind == 0:
+            object.__setattr__(t, "policy_versions_T", np.r_[[3, 3], np.full(n - 2, 4)])
+        elif kind == 1:
+            object.__setattr__(t, "policy_versions_T", np.full(n, -1, np.int32))
+        elif kind == 2:
+            object.__setattr__(t, "policy_versions_T", np.full(n, 2.0))
+        elif kind == 3:
+            empty = np.zeros(0, np.int32)
+            object.__setattr__(t, "token_ids_T", empty)
+            object.__setattr__(t, "logprobs_T", np.zeros(0, np.float32))
+            object.__setattr__(t, "policy_versions_T", empty)
+    object.__setattr__(groups[0].episodes[1], "turns", ())
+    tables = arrow_io.groups_to_arrow(groups, datetime.now(UTC))
+    rows = [(e, t) for g in groups for e in g.episodes for t in e.turns]
+    want = [arrow_io.version_runs(t.policy_versions_T) for _, t in rows]
+    assert any(w[1] for w in want) and any(w[0] == -1 for w in want)
+    assert tables["turns"]["policy_version"].to_pylist() == [w[0] for w in want]
+    assert tables["turns"]["policy_version_changes"].to_pylist() == [w[1] for w in want]
+    episodes = [e for g in groups for e in g.episodes]
+    ranges = [e.policy_version_range for e in episodes]
+    assert any(r is None for r in ranges) and any(r is not None for r in ranges)
+    got = tables["episodes"].select(["min_policy_version", "max_policy_version"]).to_pylist()
+    assert [(r["min_policy_version"], r["max_policy_version"]) for r in got] == [
+        (None, None) if r is None else r for r in ranges
+    ]
+    for g, row in zip(groups, tables["groups"].to_pylist(), strict=True):
+        spans = [r for e in g.episodes if (r := e.policy_version_range) is not None]
+        assert row["min_policy_version"] == min((r[0] for r in spans), default=None)
+        assert row["max_policy_version"] == max((r[1] for r in spans), default=None)
+    assert tables["tool_calls"]["group_id"].to_pylist()[0] == "g0"
