@@ -224,7 +224,8 @@ async def _grading_isolation(box: PodmanSandbox, config: SandboxConfig) -> Check
     await box.exec(
         f"mkdir -p {site}; echo 'print(\"HIJACKED\")' > {site}/usercustomize.py; "
         "echo 'raise SystemExit(\"SHADOWED\")' > /workspace/json.py; export AGENT_MARK=1; "
-        "(sleep 1000 &) ; sleep 1001 & kill -STOP $!",
+        "(sleep 1000 &) ; sleep 1001 & kill -STOP $!; "
+        "unshare -rpf sleep 1002 >/dev/null 2>&1 &",  # a pid namespace of its own
         timeout_s=10,
     )
     probe = (
