@@ -219,6 +219,39 @@ def test_tmp_and_workspace_full_still_grades(attacks):
     assert "100%" in outputs(ep), outputs(ep)[-500:]
 
 
+def editor(**arguments) -> str:
+    call = {"name": "str_replace_editor", "arguments": arguments}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def test_editor_on_the_supervisors_own_proc_files(attacks):
+    """The editor's file operations run in the supervisor's process (with the agent's
+    file-system uid), so ``/proc/self`` is the supervisor: its stdin/stdout pipes, memory,
+    environment and OOM score. Pipes are refused without blocking, root's files cannot be
+    written, and nothing breaks the framing of the next request."""
+    calls = [
+        editor(command="view", path="/proc/self/fd/0"),
+        editor(command="view", path="/proc/self/fd/1"),
+        editor(command="str_replace", path="/proc/self/fd/1", old_str="a", new_str="b"),
+        editor(command="view", path="/proc/self/mem"),
+        editor(command="view", path="/proc/self/environ"),
+        editor(command="view", path="/proc/1/environ"),
+        editor(command="str_replace", path="/proc/self/oom_score_adj", old_str="0", new_str="-1000"),
+        editor(command="insert", path="/proc/self/attr/current", insert_line=0, new_str="x"),
+        bash("cat /proc/$(pgrep -u 0 -f sandpiper/supervisor)/oom_score_adj; echo still-framed"),
+    ]  # fmt: skip
+    ep, _ = assert_forged_nothing(
+        attacks, attacks.imports, ["\n".join(calls[:5]), "\n".join(calls[5:])]
+    )
+    results = [c for t in ep.turns for c in t.tool_calls]
+    assert all(c.error_kind.value == "tool_error" for c in results[:8]), [
+        (c.error_kind, c.output[:120]) for c in results
+    ]  # pipes refused without blocking; mem, environ, oom_score_adj: the agent's rights
+    assert "still-framed" in results[8].output and results[8].output.startswith("0"), results[8]
+    assert "SANDPIPER_RESULT_TAG" not in outputs(ep)
+
+
+# Last in the module: the supervisor it kills leaves the pool to replace the container.
 @pytest.mark.xfail(
     strict=True,
     reason="open: empty files cost ~1 KB of kernel memory each, charged to the container; "
