@@ -346,7 +346,11 @@ class PodmanSandbox:
             except (TimeoutError, ConnectionError) as e:
                 if not await self._recover():
                     raise SandboxError(f"sandbox {self.name}: {e}") from e
-                header, data = await self._call(req, payload)
+                try:
+                    header, data = await self._call(req, payload)
+                except (TimeoutError, ConnectionError) as again:  # killed twice: replace it
+                    self._dead = True
+                    raise SandboxError(f"sandbox {self.name}: {again} (twice)") from again
         if "error" in header:
             raise _as_os_error(header["error"], header.get("message", ""), req.get("path"))
         return header, data

@@ -144,7 +144,7 @@ class SandboxPool:
                 if box.alive:
                     self._idle.put_nowait(box)
                     return
-            except SandboxError as e:
+            except Exception as e:  # any failure replaces it: a lost slot would hang acquire
                 log.warning("reset of %s failed, replacing it: %s", box.id, e)
         await self._discard(box)
         self._total -= 1

@@ -251,6 +251,27 @@ def test_editor_on_the_supervisors_own_proc_files(attacks):
     assert "SANDPIPER_RESULT_TAG" not in outputs(ep)
 
 
+FLOOD = textwrap.dedent("""
+    import os
+    for d in ("/tmp/m", "/workspace/m"):
+        os.mkdir(d)
+        for i in range(150000):
+            os.close(os.open("%s/%d" % (d, i), os.O_CREAT | os.O_WRONLY))
+    """)
+
+
+def test_a_supervisor_killed_twice_never_loses_the_pools_container(attacks):
+    """The inode flood (below) kills the supervisor at submit and again at reset: the second
+    failure escaped ``reset`` as a ConnectionError, the pool's recycle task died with it and
+    the next ``acquire`` waited forever (a policy could stall the collector slot by slot).
+    Now the container is replaced and the next episode runs."""
+    flood = bash(f"{put('/tmp/flood.py', FLOOD)}; python3 /tmp/flood.py")
+    attacks.episode(attacks.imports, [flood, SUBMIT])
+    _, nxt = attacks.episode(attacks.imports, [bash("echo fresh"), SUBMIT])
+    assert nxt.stop_reason is StopReason.SUBMITTED and nxt.valid, (nxt.stop_reason, nxt.error)
+    assert nxt.reward == 0.0 and "fresh" in outputs(nxt)
+
+
 # Last in the module: the supervisor it kills leaves the pool to replace the container.
 @pytest.mark.xfail(
     strict=True,
@@ -260,13 +281,6 @@ def test_editor_on_the_supervisors_own_proc_files(attacks):
 def test_inode_flood_cannot_kill_the_supervisor(attacks):
     """300,000 empty files leave no memory for the supervisor: it is OOM-killed and the
     episode becomes infra-invalid instead of 0."""
-    script = textwrap.dedent("""
-        import os
-        for d in ("/tmp/m", "/workspace/m"):
-            os.mkdir(d)
-            for i in range(150000):
-                os.close(os.open("%s/%d" % (d, i), os.O_CREAT | os.O_WRONLY))
-        """)
-    flood = bash(f"{put('/tmp/flood.py', script)}; python3 /tmp/flood.py")
+    flood = bash(f"{put('/tmp/flood.py', FLOOD)}; python3 /tmp/flood.py")
     _, ep = attacks.episode(attacks.imports, [flood, SUBMIT])
     assert ep.stop_reason is StopReason.SUBMITTED and ep.valid, (ep.stop_reason, ep.error)
