@@ -51,8 +51,7 @@ def hostile_store(tmp_path_factory):
     run = synthetic_run(seed=1, num_versions=1, groups_per_version=2, group_size=2)
     for version, groups in run.groups_by_version.items():
         run.groups_by_version[version] = [
-            dataclasses.replace(g, episodes=tuple(_hostile(e) for e in g.episodes))
-            for g in groups
+            dataclasses.replace(g, episodes=tuple(_hostile(e) for e in g.episodes)) for g in groups
         ]
     url = f"duckdb:///{tmp_path_factory.mktemp('hostile') / 'store.duckdb'}"
     store = Store(url)
