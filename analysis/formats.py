@@ -2,6 +2,11 @@
 
 CSV and tables cannot hold nested values (token-id arrays, structs): those columns are
 written as JSON text. JSON keeps them nested; Parquet keeps every type as it is.
+
+Stored text is the policy's (tool outputs, model text): tables show it through
+:func:`analysis.terminal.neutralize` as plain text (never rich markup); JSON escapes the
+characters a terminal acts on (losslessly); CSV is written raw to a file or a pipe and
+neutralized when it goes to a terminal.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from analysis.query import QueryError
+from analysis.terminal import json_safe, neutralize
 
 if TYPE_CHECKING:
     import polars as pl
@@ -54,7 +60,7 @@ def _cell(value: object) -> str:
         return "∅"
     if isinstance(value, float):
         return f"{value:.4g}"
-    text = str(value)
+    text = neutralize(str(value))
     return text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…"
 
 
@@ -62,15 +68,17 @@ def print_table(df: pl.DataFrame, *, file: IO[str] | None = None, title: str | N
     """A rich table of the first :data:`MAX_TABLE_ROWS` rows, with the row count below."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = Console(file=file or sys.stdout, soft_wrap=False)
     table = Table(title=title, show_lines=False, header_style="bold")
     numeric = {n for n, t in df.schema.items() if t.is_numeric()}
     for name in df.columns:
-        table.add_column(name, justify="right" if name in numeric else "left", overflow="fold")
+        justify = "right" if name in numeric else "left"
+        table.add_column(Text(neutralize(name)), justify=justify, overflow="fold")
     shown = flatten_nested(df.head(MAX_TABLE_ROWS))
-    for row in shown.iter_rows():
-        table.add_row(*(_cell(v) for v in row))
+    for row in shown.iter_rows():  # Text: a cell is never read as rich markup
+        table.add_row(*(Text(_cell(v)) for v in row))
     console.print(table)
     more = (
         f" (showing {MAX_TABLE_ROWS}; use --format csv/json/parquet for all)"
@@ -100,8 +108,12 @@ def write_frame(
         else:
             print_table(df, file=file)
         return
-    text = flatten_nested(df).write_csv() if fmt == OutputFormat.CSV else df.write_json()
+    csv = fmt == OutputFormat.CSV
+    text = flatten_nested(df).write_csv() if csv else json_safe(df.write_json())
     if out is not None:
         out.write_text(text)
-    else:
-        (file or sys.stdout).write(text if text.endswith("\n") else text + "\n")
+        return
+    stream = file or sys.stdout
+    if csv and stream.isatty():  # raw bytes would drive the terminal
+        text = neutralize(text)
+    stream.write(text if text.endswith("\n") else text + "\n")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from analysis.terminal import neutralize
+
 if TYPE_CHECKING:
     import polars as pl
     from matplotlib.axes import Axes
@@ -79,7 +81,7 @@ def pass_rate_by_task(df: pl.DataFrame, max_tasks: int = 30) -> Figure:
     if df.is_empty():
         _no_data(ax, title)
         return fig
-    ax.barh(df["task_id"].to_list(), df["pass_rate"].to_list(), color="tab:green")
+    ax.barh([neutralize(t) for t in df["task_id"]], df["pass_rate"].to_list(), color="tab:green")
     ax.set(title=f"{title} (lowest {df.height})", xlabel="pass rate", xlim=(0, 1))
     return fig
 
@@ -144,7 +146,7 @@ def tool_usage(df: pl.DataFrame) -> Figure:
     if df.is_empty():
         _no_data(ax, title)
         return fig
-    tools = df["tool"].to_list()
+    tools = [neutralize(t) for t in df["tool"]]  # names the policy made up
     ok = (df["n_calls"] - df["n_errors"]).to_list()
     ax.barh(tools, ok, label="ran", color="tab:blue")
     timeouts = df["n_timeouts"].to_list()

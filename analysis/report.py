@@ -4,6 +4,10 @@
 figures of :mod:`analysis.plots`, writes each as a PNG into the output folder and embeds the
 same bytes as ``data:`` URIs in ``index.html`` (so the page can be mailed or attached on its
 own). :func:`log_to_mlflow` uploads the folder as an MLflow artifact.
+
+Stored strings (task ids, tool names the policy made up) are shown through
+:func:`analysis.terminal.neutralize`, then HTML-escaped: control and bidirectional
+characters appear as visible escapes in the page.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from analysis import plots
 from analysis.api import read_view
 from analysis.query import QueryError, fetch, open_store, reader
+from analysis.terminal import neutralize
 from analysis.views import BAD_SAMPLER_OUTPUT
 
 if TYPE_CHECKING:
@@ -96,12 +101,22 @@ def _png(fig: Any) -> bytes:
 def _html_table(df: pl.DataFrame, columns: list[str]) -> str:
     from html import escape
 
-    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    head = "".join(f"<th>{escape(neutralize(c))}</th>" for c in columns)
     rows = []
     for row in df.select(columns).iter_rows():
-        cells = "".join(f"<td>{escape(_fmt(v))}</td>" for v in row)
+        cells = "".join(f"<td>{escape(neutralize(_fmt(v)))}</td>" for v in row)
         rows.append(f"<tr>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _shown(value: Any) -> Any:
+    """Every ``{{ value }}`` of the template: stored text neutralized (markup we built, such
+    as the tables, is already)."""
+    import markupsafe
+
+    if isinstance(value, str) and not isinstance(value, markupsafe.Markup):
+        return neutralize(value)
+    return value
 
 
 def _fmt(value: object) -> str:
@@ -252,6 +267,7 @@ def build_report(
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
         autoescape=True,
+        finalize=_shown,
     )
     html = env.get_template(TEMPLATE).render(
         run_label=run_label or "(no episodes yet)",

@@ -5,11 +5,17 @@ token counts, timings, sandbox), the reward breakdown, then every turn in order 
 role, token count, policy-version spans (``v3×40 → v4×12`` when a weight update landed
 mid-turn) and duration, and below each assistant turn its tool calls: arguments, exit code,
 error kind, time-out, duration, and the output the agent saw (with its total size).
+
+Every stored string is written by the policy or its sandbox: each goes through
+:func:`analysis.terminal.neutralize` and reaches rich as plain ``Text`` (never markup, so a
+``[link=…]`` in a tool output is shown, not turned into a terminal hyperlink).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from analysis.terminal import neutralize
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -42,7 +48,7 @@ def _header(summary: dict[str, Any]) -> RenderableType:
     table.add_column(style="bold")
     table.add_column()
     # Stored strings may contain [brackets]; only our own markup may style the header.
-    summary = {k: escape(v) if isinstance(v, str) else v for k, v in summary.items()}
+    summary = {k: escape(neutralize(v)) if isinstance(v, str) else v for k, v in summary.items()}
     reward = summary["reward"]
     fields = [
         ("episode", summary["episode_id"]),
@@ -75,10 +81,11 @@ def _header(summary: dict[str, Any]) -> RenderableType:
 
 def _breakdown(breakdown: dict[str, Any]) -> RenderableType:
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="reward breakdown", show_header=False, title_justify="left")
-    for key, value in sorted(breakdown.items()):
-        table.add_row(key, str(value))
+    for key, value in sorted(breakdown.items()):  # test output and names are the policy's
+        table.add_row(Text(neutralize(str(key))), Text(neutralize(str(value))))
     return table
 
 
@@ -94,11 +101,11 @@ def _tool_call(call: dict[str, Any], max_output_chars: int) -> RenderableType:
         status += ", TIMED OUT"
     if call["error_kind"] != "none":
         status += f", error: {call['error_kind']}"
-    title = (
-        f"tool call {call['call_index']}: {call['name']} · {status} · "
+    title = Text(
+        f"tool call {call['call_index']}: {neutralize(call['name'])} · {status} · "
         f"{call['duration_ms']:.0f} ms · output {call['output_bytes_total']} bytes"
     )
-    body = Text.assemble(("args ", "bold"), call["arguments"], "\n", output)
+    body = Text.assemble(("args ", "bold"), neutralize(call["arguments"]), "\n", neutralize(output))
     style = "red" if call["error_kind"] != "none" or call["timed_out"] else "blue"
     return Panel(body, title=title, title_align="left", border_style=style)
 
@@ -125,7 +132,9 @@ def render(detail: EpisodeDetail, console: Console, *, max_output_chars: int = 2
             title += " · trained"
         style = ROLE_STYLE.get(role, "white")
         console.print(
-            Panel(Text(turn["text"]), title=title, title_align="left", border_style=style)
+            Panel(
+                Text(neutralize(turn["text"])), title=title, title_align="left", border_style=style
+            )
         )
         for call in calls_by_turn.get(turn["turn_index"], []):
             console.print(_tool_call(call, max_output_chars))

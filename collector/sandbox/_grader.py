@@ -39,6 +39,9 @@ ANSWER = GRADE + "/answer"
 RESULT = GRADE + "/out/result.json"
 SUBJECT_OUT = GRADE + "/subject"
 MAX_RESULT_BYTES = 64 * 1024
+MAX_REFUSED_SHOWN = 50
+"""Names of refused workspace entries returned (the reply header is one line the host reads
+bounded: 30,000 refused links used to overflow it and kill the episode as infra)."""
 MAX_COPY_BYTES = 512 * 1024 * 1024
 """Plain copy of a live agent's workspace (task option) stops at this many bytes."""
 
@@ -94,10 +97,12 @@ def grade(sv, req: dict, payload: bytes) -> tuple[dict, bytes]:
     else:
         workdir = sv.WORKSPACE
         info["refused"] = _make_plain(workdir, grader)
+    info["refused"] = _shown(info["refused"])
     marks.append(("prepare", time.monotonic()))
     subject = req.get("subject_command")
     if subject:
         info["subject"] = _run_subject(sv, subject, workdir, req)
+        info["subject"]["refused"] = _shown(info["subject"]["refused"])
     env = {
         "PATH": sv.BASE_ENV["PATH"],
         "LANG": "C.UTF-8",
@@ -174,6 +179,17 @@ def _run_subject(sv, command: str, workdir: str, req: dict) -> dict:
             os.chmod(os.path.join(dirpath, name), 0o755 if name in dirnames else 0o644)
     os.chown(SUBJECT_OUT, 0, 0)
     return {"exit_code": header["exit_code"], "outcome": header["outcome"], "refused": refused}
+
+
+def _shown(names: list[str]) -> list[str]:
+    """At most ``MAX_REFUSED_SHOWN`` entries: names, each valid UTF-8 (bytes that are not
+    are shown as ``\\xNN``), the last saying how many more there were."""
+    cut = len(names) > MAX_REFUSED_SHOWN
+    kept = names[: MAX_REFUSED_SHOWN - 1] if cut else names
+    shown = [n.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") for n in kept]
+    if cut:
+        shown.append(f"... and {len(names) - len(kept)} more")
+    return shown
 
 
 def _makedirs_owned(path: str, top: str, owner: int) -> None:

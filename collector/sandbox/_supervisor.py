@@ -90,6 +90,8 @@ MAX_TREE_ENTRIES = 5000
 MAX_TREE_BYTES = 256 * 1024
 """A folder listing stops here too: the reply header is one line the host reads bounded."""
 """A directory view lists at most this many paths (the reply stays small)."""
+MAX_SCAN_BYTES = 1 << 30
+"""A line-range read scans at most this much of a file (any real file on the tmpfs fits)."""
 DRAIN_AFTER_EXIT_S = 0.05
 """How long to keep reading pipes held open by background processes after the command."""
 
@@ -512,9 +514,12 @@ def read_lines(req: dict) -> tuple[dict, bytes]:
     bytes, and the file's line count. The file is streamed: only the selection is kept."""
     first, last, limit = int(req["first"]), int(req["last"]), int(req["limit"])
     fd = open_regular(req["path"])
-    out, line, truncated = bytearray(), 1, False
+    out, line, truncated, scanned = bytearray(), 1, False, 0
     with os.fdopen(fd, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 16), b""):
+            scanned += len(chunk)
+            if scanned > MAX_SCAN_BYTES:  # a sparse 1 TB file would keep the shell busy
+                raise OSError(errno.EFBIG, f"more than {MAX_SCAN_BYTES} bytes to scan by line")
             newlines = chunk.count(b"\n")
             if line + newlines < first or (last != -1 and line > last):
                 line += newlines  # nothing selected in this chunk: count it and move on

@@ -8,7 +8,8 @@ workspace size limit, memory limit (a hog is OOM-killed), pids limit (a fork bom
 CPU limit (measured), an init that survives ``kill -9 -1``; and the reward's protections:
 agent commands run as an unprivileged uid with no capabilities, the agent cannot trace,
 signal or borrow descriptors of the supervisor, and grading runs as another uid with
-nothing of the agent left (processes, user site, environment).
+nothing of the agent left (processes, user site, environment); and the host's: no container
+log kept on the host, SysV IPC capped and removed with its processes.
 
 A passing result is cached per (image, limits, podman, kernel) in
 ``~/.cache/sandpiper/sandbox-check-<key>.json``; :func:`ensure_limits_enforced` (called by
@@ -223,7 +224,8 @@ async def _grading_isolation(box: PodmanSandbox, config: SandboxConfig) -> Check
     await box.exec(
         f"mkdir -p {site}; echo 'print(\"HIJACKED\")' > {site}/usercustomize.py; "
         "echo 'raise SystemExit(\"SHADOWED\")' > /workspace/json.py; export AGENT_MARK=1; "
-        "(sleep 1000 &) ; sleep 1001 & kill -STOP $!",
+        "(sleep 1000 &) ; sleep 1001 & kill -STOP $!; "
+        "unshare -rpf sleep 1002 >/dev/null 2>&1 &",  # a pid namespace of its own
         timeout_s=10,
     )
     probe = (
@@ -253,6 +255,30 @@ async def _grading_isolation(box: PodmanSandbox, config: SandboxConfig) -> Check
     return CheckResult("grading_isolated", passed, f"{seen} {out.strip()[-100:]}")
 
 
+async def _logs_off(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    """Nothing of the container's output is stored on the host (conmon's log file)."""
+    kind = await run_podman("inspect", "--format", "{{.HostConfig.LogConfig.Type}}", box.name)
+    r = await box.exec("echo probe > /proc/1/fd/1 2>&1 || echo refused", timeout_s=10)
+    passed = kind.decode().strip() == "none" and "refused" in r.stdout
+    detail = (
+        f"log driver {kind.decode().strip()}; agent writing to init's stdout: {r.stdout.strip()}"
+    )
+    return CheckResult("container_logs_off", passed, detail[:200])
+
+
+async def _ipc_capped(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    """SysV IPC cannot hold more memory than the container's sysctls allow, and a shared
+    memory segment goes with its last process (nothing fills memory behind the agent)."""
+    r = await box.exec(
+        "cat /proc/sys/kernel/shm_rmid_forced; ipcmk -M 67108864 >/dev/null 2>&1 && echo big; "
+        "ipcmk -M 4096 >/dev/null && echo small; ipcs -m | grep -c '^0x'",
+        timeout_s=10,
+    )
+    lines = r.stdout.split()
+    passed = lines[:1] == ["1"] and "big" not in lines and "small" in lines and lines[-1] == "0"
+    return CheckResult("ipc_capped", passed, " ".join(lines)[:200])
+
+
 CHECKS: list[Check] = [
     _user_namespace,
     _network,
@@ -265,6 +291,8 @@ CHECKS: list[Check] = [
     _uid_separation,
     _supervisor_untouchable,
     _grading_isolation,
+    _logs_off,
+    _ipc_capped,
     _init_survives,
 ]
 

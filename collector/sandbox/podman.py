@@ -53,6 +53,13 @@ WATCHDOG_GRACE_S = 5.0
 """Host-side slack after a command's deadline before the shell is presumed hung."""
 START_TIMEOUT_S = 60.0
 UIDMAP_SIZE = 65536
+IPC_SYSCTLS = {
+    "kernel.shm_rmid_forced": 1,  # a segment goes with the last process attached to it
+    "kernel.shmall": 4096,  # pages: 16 MiB of SysV shared memory in all
+    "kernel.shmmax": 16 * 1024 * 1024,
+    "kernel.msgmni": 64,  # message queues (each at most msgmnb = 16 KiB by default)
+}
+"""Per-container (IPC namespace) limits of SysV IPC, set at creation."""
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 """Largest reply payload accepted from a shell (a file read or a tar of a folder)."""
 
@@ -167,6 +174,12 @@ def container_argv(
         argv += ["--cgroup-parent", parent]
     workspace_opts = f"rw,size={config.workspace_size_mb}m,mode=1777,exec,nosuid,nodev"
     argv += [
+        # nothing the container's init writes is kept on the host (conmon's k8s-file log
+        # grows without bound); the supervisor's replies travel over its own exec pipe
+        "--log-driver=none",
+        # SysV IPC outlives its processes and is charged to the container's memory: an
+        # agent's segments could leave no room for the supervisor (see docs/security.md)
+        *[f"--sysctl={key}={value}" for key, value in IPC_SYSCTLS.items()],
         "--network=none",
         "--cap-drop=all",
         f"--cap-add={SUPERVISOR_CAPS}",

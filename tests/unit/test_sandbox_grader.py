@@ -60,3 +60,14 @@ def test_read_result_no_links_no_huge_files(tmp_path):
     path.unlink()
     path.write_bytes(b" " * (_grader.MAX_RESULT_BYTES + 1))
     assert "exceeds" in _grader._read_result(str(path))[1]
+
+
+def test_refused_names_are_bounded_and_valid_utf8():
+    """The reply header is one line the host reads bounded: never every refused name."""
+    names = [os.fsdecode(b"bad-\xff"), "\x1b]0;t\x07"] + [f"l{i:05d}" for i in range(30_000)]
+    shown = _grader._shown(names)
+    assert len(shown) == _grader.MAX_REFUSED_SHOWN
+    assert shown[0] == "bad-\\xff" and shown[1] == "\x1b]0;t\x07"
+    assert shown[-1] == f"... and {len(names) - _grader.MAX_REFUSED_SHOWN + 1} more"
+    "".join(shown).encode("utf-8")  # no lone surrogates
+    assert _grader._shown(["a", "b"]) == ["a", "b"]

@@ -114,3 +114,22 @@ def test_refuses_kill_all_outside_a_sandbox(shell):
     header, _ = shell.call({"op": "kill_all"})
     assert header["error"] == "RuntimeError"
     assert shell.exec("echo alive").stdout == "alive\n"
+
+
+def test_line_range_reads_scan_a_bounded_amount(tmp_path, monkeypatch):
+    """A sparse file of any size costs no space: a line-range read stops scanning it."""
+    import errno
+
+    from collector.sandbox import _supervisor
+
+    monkeypatch.setattr(_supervisor, "MAX_SCAN_BYTES", 1 << 20)
+    sparse = tmp_path / "sparse"
+    with open(sparse, "wb") as f:
+        f.truncate(1 << 40)  # 1 TB
+    with pytest.raises(OSError) as raised:
+        _supervisor.read_lines({"path": str(sparse), "first": 1, "last": 2, "limit": 100})
+    assert raised.value.errno == errno.EFBIG
+    small = tmp_path / "small"
+    small.write_bytes(b"a\nb\nc\n")
+    req = {"path": str(small), "first": 2, "last": 2, "limit": 100}
+    assert _supervisor.read_lines(req) == ({"n_lines": 4, "truncated": False}, b"b\n")

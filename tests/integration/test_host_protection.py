@@ -1,0 +1,144 @@
+"""The host is protected from the sandbox (issue 14, deliverable 5), with real podman:
+
+- nothing written to the container init's stdout is kept on the host (``--log-driver=none``):
+  the agent cannot open it, and 50 MB pushed into it from the host side grow nothing;
+- editor reads are bounded in the container: viewing or editing a 200 MB file (many lines,
+  or one line), with any ``view_range``, grows the collector's peak memory by a few MB, not
+  by the file's size, and a sparse 1 TB file is refused quickly.
+
+Cost: two containers, ~400 MB written to a tmpfs, about 20–40 s on the shared CI machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from collector.tools.editor import Editor, EditorError
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+MB = 1024 * 1024
+
+
+def _inspect(name: str) -> dict:
+    out = subprocess.run(["podman", "inspect", name], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)[0]
+
+
+def _du_bytes(path: str) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def test_container_output_is_not_kept_on_the_host(sandbox_pool):
+    async def go():
+        async with (
+            sandbox_pool(pool_size=1) as pool,
+            pool.session(episode_id="e", task_id="t") as box,
+        ):
+            info = _inspect(box.id)
+            assert info["HostConfig"]["LogConfig"]["Type"] == "none"
+            static_dir = info["StaticDir"]
+            before = _du_bytes(static_dir)
+            # as the agent would: refused (another uid's descriptors)
+            r = await box.exec("head -c 50M /dev/zero > /proc/1/fd/1; echo rc=$?", timeout_s=30)
+            assert "Permission denied" in r.stderr and "rc=1" in r.stdout, (r.stdout, r.stderr)
+            # whatever reaches the init's stdout anyway (here: host root) is not stored
+            line = b"x" * 99 + b"\n"
+            with open(f"/proc/{info['State']['Pid']}/fd/1", "wb") as init_stdout:
+                for _ in range(50 * MB // len(line)):
+                    init_stdout.write(line)
+            await asyncio.sleep(0.5)
+            grown = _du_bytes(static_dir) - before
+            assert grown < MB, f"the container's host folder grew by {grown} bytes"
+            assert (await box.exec("echo alive")).stdout == "alive\n"
+
+    asyncio.run(go())
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS (VmHWM) and return the current RSS, in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def test_editor_on_huge_files_keeps_host_memory_small(sandbox_pool):
+    """Peak RSS growth of this (collector) process per editor call, against the 200 MB file."""
+    grown: dict[str, int] = {}
+
+    async def measured(name: str, call):
+        base = _reset_peak()
+        try:
+            result = await call
+        except EditorError as e:
+            result = str(e)
+        grown[name] = _status("VmHWM") - base
+        return result
+
+    async def go():
+        async with (
+            sandbox_pool(pool_size=1, workspace_size_mb=450, memory_mb=1024, selfcheck=False)
+            as pool,
+            pool.session(episode_id="e", task_id="t") as box,
+        ):  # fmt: skip
+            made = await box.exec(
+                "yes 'a line of some text, repeated' | head -c 200M > /workspace/lines.txt && "
+                "head -c 200M /dev/zero | tr '\\0' a > /workspace/oneline.txt && "
+                "truncate -s 1T /workspace/sparse && wc -l /workspace/lines.txt",
+                timeout_s=120,
+            )
+            assert made.ok, made.stderr
+            n_lines = int(made.stdout.split()[0])
+            editor = Editor(box)
+            lines, one = "/workspace/lines.txt", "/workspace/oneline.txt"
+            view = await measured("view", editor(command="view", path=lines))
+            assert "<response clipped>" in view
+            everything = await measured(
+                "view_range_all", editor(command="view", path=lines, view_range=[1, -1])
+            )
+            assert "<response clipped>" in everything
+            end = await measured(
+                "view_range_end",
+                editor(command="view", path=lines, view_range=[n_lines - 1, n_lines]),
+            )
+            assert f"{n_lines - 1}\ta line of some text" in end
+            assert "<response clipped>" in await measured(
+                "view_one_line", editor(command="view", path=one)
+            )
+            assert "<response clipped>" in await measured(
+                "view_range_one_line", editor(command="view", path=one, view_range=[1, 1])
+            )
+            for name, call in [
+                ("str_replace", editor(command="str_replace", path=lines, old_str="a", new_str="b")),
+                ("insert", editor(command="insert", path=one, insert_line=1, new_str="b")),
+            ]:  # fmt: skip
+                assert "too large to edit" in await measured(name, call)
+            started = time.monotonic()
+            sparse = await measured(
+                "view_range_sparse_1TB",
+                editor(command="view", path="/workspace/sparse", view_range=[1, 2]),
+            )
+            assert "bytes to scan by line" in sparse and time.monotonic() - started < 30
+            # control: the measure sees a read that does cross (the unbounded protocol call)
+            assert len(await measured("control_unbounded_read", box.read_file(lines))) == 200 * MB
+            assert (await box.exec("echo alive")).stdout == "alive\n"
+
+    asyncio.run(go())
+    control = grown.pop("control_unbounded_read")
+    assert control > 200 * MB, f"the peak-RSS measure missed a 200 MB read ({control} bytes)"
+    print(f"peak RSS growth per call (KiB), control {control // 1024}:",
+          {k: v // 1024 for k, v in grown.items()})  # fmt: skip
+    worst = max(grown, key=grown.__getitem__)
+    assert grown[worst] < 16 * MB, (worst, grown)  # the file is 200 MB; the view shows 16 kB
