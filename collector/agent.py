@@ -51,8 +51,8 @@ from collector.parsers import (
     system_prompt_for,
 )
 from collector.policy import Policy, PolicyLimits, PolicySession, Stopped
-from collector.rewards import compute_reward
 from collector.sandbox.base import ExecOutcome, Sandbox
+from collector.scoring import score_answer
 from collector.tasks import DEFAULT_TESTS_DEST, Task
 from collector.tools.base import ToolResult
 from sandpiper.errors import SandboxError, SandboxLostError, SandpiperError, TaskError
@@ -245,7 +245,7 @@ async def run_episode(
         state.stop, state.error = StopReason.INFRA_ERROR, f"{type(e).__name__}: {e}"
     except Exception as e:  # a bug of ours: visible (traceback, error), never a dead daemon
         state.stop, state.error = StopReason.INFRA_ERROR, collector_bug(episode_id, e)
-    return _finish(state, episode_id, sample_index, task, sandbox, started_at, t0, trainable)
+    return await _finish(state, episode_id, sample_index, task, sandbox, started_at, t0, trainable)
 
 
 def sandbox_stop(error: SandboxError, acting: bool) -> StopReason:
@@ -491,7 +491,7 @@ def tool_record(index: int, call: ParsedToolCall, result: ToolResult) -> ToolCal
     )
 
 
-def _finish(
+async def _finish(
     state: _State,
     episode_id: str,
     sample_index: int,
@@ -505,7 +505,7 @@ def _finish(
     reward, breakdown, error = None, {}, state.error
     if stop not in INFRA_STOPS:
         try:
-            outcome = compute_reward(
+            outcome = await score_answer(
                 task.reference,
                 answer=state.answer,
                 test_reward=state.test_reward,
@@ -567,7 +567,7 @@ async def finish_episode(
             await _read_answer_file(state, task, sandbox)
         except SandboxError as e:
             state.stop, state.error = sandbox_stop(e, acting=True), f"sandbox: {e}"
-    record = _finish(state, episode_id, sample_index, task, sandbox, started_at, t0, True)
+    record = await _finish(state, episode_id, sample_index, task, sandbox, started_at, t0, True)
     if extra_breakdown:
         breakdown = {**record.reward_breakdown, **extra_breakdown}
         record = dataclasses.replace(record, reward_breakdown=breakdown)
