@@ -83,16 +83,35 @@ def register(
     return cid
 
 
-def heartbeat(store, collector_id: str) -> bool:
-    """Renew the heartbeat; False when the store does not know it as running (retired)."""
+def heartbeat(store, collector_id: str, *, policy_version: int | None = None) -> bool:
+    """Renew the heartbeat, and with ``policy_version`` announce the version the collector
+    serves or is about to load (None: leave it); False when the store does not know it as
+    running (retired)."""
     c = T.collectors
+    values: dict = {"heartbeat_at": sa.func.now()}
+    if policy_version is not None:
+        values["policy_version"] = policy_version
     with store._write() as conn:
         n = conn.execute(
             sa.update(c)
             .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
-            .values(heartbeat_at=db_now(conn))
+            .values(**values)
         ).rowcount
     return n == 1
+
+
+def referenced_versions(store, *, run_id: str, within_s: float) -> set[int]:
+    """Policy versions announced by collectors of ``run_id`` that have not stopped and whose
+    heartbeat is younger than ``within_s`` (store clock): what they serve or are loading."""
+    c = T.collectors
+    q = sa.select(sa.distinct(c.c.policy_version)).where(
+        c.c.run_id == run_id,
+        c.c.stopped_at.is_(None),
+        c.c.policy_version.is_not(None),
+        c.c.heartbeat_at >= sa.func.now() - timedelta(seconds=within_s),
+    )
+    with store.connect_readonly() as conn:
+        return {int(v) for v in conn.execute(q).scalars()}
 
 
 def stop(store, collector_id: str) -> int:

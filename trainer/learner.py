@@ -377,7 +377,7 @@ class Learner:
     def _prune(self) -> None:
         rule = RetentionPolicy(
             self.lc.checkpoint_keep_last, self.lc.checkpoint_keep_every,
-            self.lc.checkpoint_grace_s,
+            self.lc.checkpoint_grace_s, self.cfg.collector.heartbeat_ttl_s,
         )  # fmt: skip
         try:
             prune_checkpoints(
