@@ -263,7 +263,8 @@ def main() -> None:
     }  # fmt: skip
     for label, phase in (("1_writer", one), ("4_writers", four)):
         for key in ("client_cpu_s_per_1k_traj", "server_cpu_s_per_1k_traj", "machine_busy_cores"):
-            result[f"{key}_{label}"] = round(phase[key], 3)
+            value = phase[key]  # NaN: the server is not ours to measure (--url)
+            result[f"{key}_{label}"] = None if value != value else round(value, 3)
     for key, value in result.items():
         goal = f"  (goal {GOALS[key]})" if key in GOALS else ""
         print(f"{key}: {value}{goal}")
