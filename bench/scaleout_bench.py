@@ -129,7 +129,7 @@ def machine_cpu() -> tuple[float, float]:
 
 
 def _writer(url: str, name: str, seconds: float, batch: int, turns: int, tokens: int,
-            ready, start, out) -> None:  # fmt: skip
+            ready, start, out, measured) -> None:  # fmt: skip
     """One collector's writer process: claim slots, commit groups under their leases."""
     store = Store(url, lock_timeout_s=120)
     cid = store.register_collector(run_id="run", host=name)
@@ -152,6 +152,7 @@ def _writer(url: str, name: str, seconds: float, batch: int, turns: int, tokens:
         assert report.n_stored == len(groups), report.rejected
         done += len(groups) * GROUP_SIZE
     out.put((name, done, time.perf_counter() - t0, time.process_time() - cpu0))
+    measured.wait(timeout=300)  # keep our server backend alive until its CPU is read
     store.close()
 
 
@@ -160,10 +161,11 @@ def run_writers(url: str, n: int, args, *, postmaster: int | None, probe=None) -
 
     ``probe()`` (a claim, returning ms) runs in this process meanwhile, every 50 ms."""
     ctx = mp.get_context("spawn")
-    ready, out, start = ctx.Queue(), ctx.Queue(), ctx.Event()
+    ready, out, start, measured = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
     procs = [
         ctx.Process(target=_writer, args=(url, f"w{n}-{i}", args.seconds, args.batch,
-                                          args.turns, args.tokens, ready, start, out))
+                                          args.turns, args.tokens, ready, start, out,
+                                          measured))
         for i in range(n)
     ]  # fmt: skip
     for p in procs:
@@ -179,6 +181,7 @@ def run_writers(url: str, n: int, args, *, postmaster: int | None, probe=None) -
         time.sleep(0.05)
     results = [out.get(timeout=args.seconds + 300) for _ in procs]
     server1, (busy1, total1) = server_cpu_s(postmaster), machine_cpu()
+    measured.set()
     wall = time.perf_counter() - t0
     for p in procs:
         p.join(timeout=60)
