@@ -1,7 +1,6 @@
 """``bench/scaleout_bench.py`` still runs (a smoke test with tiny phases against the session's
 PostgreSQL; the figures themselves need a quiet machine and are not asserted). 13 s at load
-average 5, 50 s at load
-average 23 on 2 cores (it spawns 5 writer processes)."""
+average 5, 50 s at load average 23 on 2 cores (it spawns 5 writer processes)."""
 
 from __future__ import annotations
 
