@@ -282,8 +282,12 @@ class Collector:
         if spool is not None:
             retire_predecessor(self.store, Path(spool), self.collector_id)
 
-    async def _heartbeat(self) -> None:
-        if not await asyncio.to_thread(self.store.heartbeat_collector, self.collector_id):
+    async def _heartbeat(self, policy_version: int | None = None) -> None:
+        """Renew our registration; with ``policy_version``, name the version we are about to
+        load (before loading it, so that checkpoint retention keeps that folder)."""
+        if not await asyncio.to_thread(
+            self.store.heartbeat_collector, self.collector_id, policy_version=policy_version
+        ):
             # our slots were freed for others: every group we still finish would be refused
             self._failure = self._failure or StoreError(
                 f"the store holds collector {self.collector_id} as stopped (retired by "
@@ -412,6 +416,8 @@ class Collector:
         self._store_unconsumed += counts[GroupStatus.COLLECTING] + self.writer.pending()
         self._put_since_poll = 0
         if latest is not None and latest.version > self.client.policy_version:
+            # announce first, so that checkpoint retention keeps the folder while we read it
+            await self._heartbeat(policy_version=latest.version)
             log.info("hot-loading policy v%d from %s", latest.version, latest.checkpoint_uri)
             await self.client.reload(latest.checkpoint_uri, latest.version)  # type: ignore[attr-defined]
             self.metrics.reloads += 1

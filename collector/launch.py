@@ -151,7 +151,12 @@ async def collect(
                 # load this run's latest policy (version 0 = learner.model) before sampling.
                 latest = await asyncio.to_thread(store.latest_policy, config.name)
                 weights = latest.checkpoint_uri if latest else config.learner.model
-                await inner.reload(weights, latest.version if latest else 0)
+                version = latest.version if latest else 0
+                # announced first: checkpoint retention keeps what a collector is loading
+                await asyncio.to_thread(
+                    store.heartbeat_collector, collector_id, policy_version=version
+                )
+                await inner.reload(weights, version)
         labels = {
             "sandpiper.run": config.name,
             janitor.COLLECTOR_LABEL: collector_id,

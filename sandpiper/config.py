@@ -314,8 +314,9 @@ class LearnerConfig(_Part):
     """Retention: also keep every version that is a multiple of this (0 = none)."""
     checkpoint_grace_s: float = 600.0
     """Retention: never delete a version whose successor is younger than this (a collector
-    may still be loading it). Version 0 and versions that groups not yet consumed were
-    sampled with are always kept."""
+    may still be loading it). Version 0, versions that groups not yet consumed were sampled
+    with, and versions a collector announced it serves or loads (while its heartbeat is
+    younger than ``collector.heartbeat_ttl_s`` + this) are always kept."""
     checkpoint_retention: bool = True
     """False: keep every version's folder forever."""
 

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import sqlalchemy as sa
@@ -186,9 +187,12 @@ class PostgresBackend:
 
     def insert_new(self, conn: sa.Connection, tables: dict[str, pa.Table]) -> pa.Array:
         """COPY groups into a temp table, keep those ``ON CONFLICT DO NOTHING`` inserted."""
-        conn.exec_driver_sql(
-            "CREATE TEMP TABLE IF NOT EXISTS _in_groups (LIKE groups) ON COMMIT DELETE ROWS"
-        )
+        info = conn.connection.info  # lives as long as the pooled connection (and its session)
+        if not info.get("_in_groups"):  # a round trip per commit saved
+            conn.exec_driver_sql(
+                "CREATE TEMP TABLE IF NOT EXISTS _in_groups (LIKE groups) ON COMMIT DELETE ROWS"
+            )
+            info["_in_groups"] = True
         self._copy(conn, "_in_groups", tables["groups"])
         new = conn.exec_driver_sql(
             "INSERT INTO groups SELECT * FROM _in_groups ON CONFLICT (group_id) DO NOTHING "
@@ -258,9 +262,7 @@ _COPY_ESCAPES = (("\\", "\\\\"), ("\t", "\\t"), ("\n", "\\n"), ("\r", "\\r"))
 def _copy_field(col: pa.Array) -> pa.Array:
     """One column as COPY text fields: escaped strings, ``{a,b}`` arrays, ``\\N`` for NULL."""
     if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
-        # bytea in hex form; the backslash itself is escaped for the text COPY format
-        values = col.to_pylist()
-        text = pa.array([None if v is None else "\\\\x" + v.hex() for v in values], pa.string())
+        text = _bytea_hex(col)
     elif pa.types.is_list(col.type):
         joined = pc.binary_join(pc.cast(col, pa.list_(pa.string())), ",")
         text = pc.binary_join_element_wise("{", joined, "}", "")
@@ -273,13 +275,36 @@ def _copy_field(col: pa.Array) -> pa.Array:
     return pc.fill_null(text, "\\N")
 
 
-def _copy_text(batch: pa.RecordBatch) -> bytes:
-    """A record batch as PostgreSQL text COPY data (tab-separated, one line per row)."""
+def _bytea_hex(col: pa.Array) -> pa.Array:
+    """Binary values as text COPY bytea fields (``\\\\x`` + hex; the backslash escaped for
+    COPY): the whole values buffer hex-encoded in one call, then cut by the offsets, instead
+    of a Python ``bytes.hex()`` per value."""
+    col = pc.cast(col, pa.large_binary())
+    n = len(col)
+    offsets = np.frombuffer(col.buffers()[1], np.int64, n + 1, col.offset * 8)
+    start, stop = int(offsets[0]), int(offsets[-1])
+    data = col.buffers()[2]
+    hex_digits = memoryview(data)[start:stop].hex().encode() if data is not None else b""
+    validity = pc.is_valid(col).buffers()[1] if col.null_count else None  # offset 0, as ours
+    digits = pa.LargeStringArray.from_buffers(
+        n, pa.py_buffer(2 * (offsets - start)), pa.py_buffer(hex_digits), validity, col.null_count
+    )
+    digits = pc.cast(digits, pa.string())
+    return pc.binary_join_element_wise("\\\\x", digits, "")
+
+
+def _copy_text(batch: pa.RecordBatch) -> memoryview:
+    """A record batch as PostgreSQL text COPY data (tab-separated, one line per row).
+
+    The lines are joined by Arrow; their concatenation is the string array's own values
+    buffer, handed to COPY without a copy (a Python string per row was a third of the time)."""
     if batch.num_rows == 0:
-        return b""
+        return memoryview(b"")
     fields = [_copy_field(c) for c in batch.columns]
-    rows = fields[0] if len(fields) == 1 else pc.binary_join_element_wise(*fields, "\t")
-    return ("\n".join(rows.to_pylist()) + "\n").encode()
+    rows = pc.binary_join_element_wise(*fields, "\t")
+    lines = pc.cast(pc.binary_join_element_wise(rows, "\n", ""), pa.large_string())
+    offsets = np.frombuffer(lines.buffers()[1], np.int64, len(lines) + 1, lines.offset * 8)
+    return memoryview(lines.buffers()[2])[int(offsets[0]) : int(offsets[-1])]
 
 
 def make_backend(url: str, *, lock_timeout_s: float) -> DuckDBBackend | PostgresBackend:

@@ -83,16 +83,35 @@ def register(
     return cid
 
 
-def heartbeat(store, collector_id: str) -> bool:
-    """Renew the heartbeat; False when the store does not know it as running (retired)."""
+def heartbeat(store, collector_id: str, *, policy_version: int | None = None) -> bool:
+    """Renew the heartbeat, and with ``policy_version`` announce the version the collector
+    serves or is about to load (None: leave it); False when the store does not know it as
+    running (retired)."""
     c = T.collectors
+    values: dict = {"heartbeat_at": sa.func.now()}
+    if policy_version is not None:
+        values["policy_version"] = policy_version
     with store._write() as conn:
         n = conn.execute(
             sa.update(c)
             .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
-            .values(heartbeat_at=db_now(conn))
+            .values(**values)
         ).rowcount
     return n == 1
+
+
+def referenced_versions(store, *, run_id: str, within_s: float) -> set[int]:
+    """Policy versions announced by collectors of ``run_id`` that have not stopped and whose
+    heartbeat is younger than ``within_s`` (store clock): what they serve or are loading."""
+    c = T.collectors
+    q = sa.select(sa.distinct(c.c.policy_version)).where(
+        c.c.run_id == run_id,
+        c.c.stopped_at.is_(None),
+        c.c.policy_version.is_not(None),
+        c.c.heartbeat_at >= sa.func.now() - timedelta(seconds=within_s),
+    )
+    with store.connect_readonly() as conn:
+        return {int(v) for v in conn.execute(q).scalars()}
 
 
 def stop(store, collector_id: str) -> int:
@@ -138,32 +157,58 @@ def _aware(t: datetime) -> datetime:
 # ---- slots -----------------------------------------------------------------------------------
 
 
-def reap(conn: sa.Connection, *, run_id: str, now: datetime, ttl_s: float) -> int:
-    """Free the slots of ``run_id`` leased by collectors that are not live; returns how many."""
+def reap(conn: sa.Connection, *, run_id: str, ttl_s: float, skip_locked: bool) -> int:
+    """Free the slots of ``run_id`` leased by collectors that are not live; returns how many.
+
+    One ``UPDATE`` on the store's clock. On PostgreSQL it skips rows another transaction has
+    locked (a writer finishing that slot), so a claim never waits behind a writer's commit;
+    the next claim reaps what was skipped, if it is still leased."""
     s, c = T.task_slots, T.collectors
-    alive = c.alias("alive")
     live = (
-        sa.select(alive.c.collector_id)
+        sa.select(c.c.collector_id)
         .where(
-            alive.c.collector_id == s.c.collector_id,
-            alive.c.stopped_at.is_(None),
-            alive.c.heartbeat_at >= now - timedelta(seconds=ttl_s),
+            c.c.collector_id == s.c.collector_id,
+            c.c.stopped_at.is_(None),
+            c.c.heartbeat_at >= sa.func.now() - timedelta(seconds=ttl_s),
         )
         .exists()
     )
     dead = sa.and_(s.c.run_id == run_id, s.c.status == LEASED, ~live)
+    if skip_locked:
+        key = sa.tuple_(s.c.run_id, s.c.task_id, s.c.seq)
+        t = s.alias("t")
+        locked = (
+            sa.select(t.c.run_id, t.c.task_id, t.c.seq)
+            .where(
+                t.c.run_id == run_id, t.c.status == LEASED,
+                ~sa.select(c.c.collector_id).where(
+                    c.c.collector_id == t.c.collector_id, c.c.stopped_at.is_(None),
+                    c.c.heartbeat_at >= sa.func.now() - timedelta(seconds=ttl_s),
+                ).exists(),
+            )
+            .with_for_update(skip_locked=True)
+        )  # fmt: skip
+        dead = key.in_(locked)
     holders = conn.execute(
-        sa.select(s.c.collector_id, sa.func.count(), c.c.heartbeat_at, c.c.stopped_at)
-        .select_from(s.outerjoin(c, c.c.collector_id == s.c.collector_id))
-        .where(dead)
-        .group_by(s.c.collector_id, c.c.heartbeat_at, c.c.stopped_at)
-    ).all()
-    if not holders:
-        return 0
-    for holder, n, beat, stopped in holders:
-        why = "stopped" if stopped else f"last heartbeat {beat} (store time now {now})"
-        log.warning("re-issuing %d task slots of collector %s: %s", n, holder, why)
-    return conn.execute(sa.update(s).where(dead).values(status=FREE)).rowcount
+        sa.update(s).where(dead).values(status=FREE).returning(s.c.collector_id)
+    ).scalars()
+    freed: dict[str | None, int] = {}
+    for holder in holders:
+        freed[holder] = freed.get(holder, 0) + 1
+    if freed:  # rare: look up why, for the log
+        rows = conn.execute(
+            sa.select(c.c.collector_id, c.c.heartbeat_at, c.c.stopped_at, sa.func.now()).where(
+                c.c.collector_id.in_([h for h in freed if h is not None])
+            )
+        ).all()
+        why = {
+            r[0]: "stopped" if r[2] else f"last heartbeat {r[1]} (store time now {r[3]})"
+            for r in rows
+        }
+        for holder, n in freed.items():
+            log.warning("re-issuing %d task slots of collector %s: %s", n, holder,
+                        why.get(holder, "not registered"))  # fmt: skip
+    return sum(freed.values())
 
 
 def claim(
@@ -183,54 +228,62 @@ def claim(
     round); ``only`` restricts the pick to these task ids (a validation round)."""
     if not tasks:
         raise StoreError(f"no {split} tasks to issue slots for")
-    s = T.task_slots
     known = {t for t, _ in tasks}
     leases: list[SlotLease] = []
     c = T.collectors
     with store._write() as conn:
-        now = db_now(conn)
         # claiming proves the claimer alive: never reap slots issued a moment ago because
         # the heartbeat loop has not run yet (e.g. a slow start-up after registration)
         conn.execute(
             sa.update(c)
             .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
-            .values(heartbeat_at=now)
+            .values(heartbeat_at=sa.func.now())
         )
-        reap(conn, run_id=run_id, now=now, ttl_s=ttl_s)
+        reap(conn, run_id=run_id, ttl_s=ttl_s, skip_locked=store.backend.skip_locked)
         for _ in range(n + 8):  # another collector may take the round we add; add another
             if len(leases) >= n:
                 break
-            pick = (
-                sa.select(s.c.task_id, s.c.seq, s.c.lease)
-                .where(s.c.run_id == run_id, s.c.split == str(split), s.c.status == FREE)
-                .order_by(s.c.seq, s.c.rank, s.c.task_id)
-                .limit(n - len(leases))
-            )
-            if only is not None:
-                pick = pick.where(s.c.task_id.in_(list(only)))
-            if store.backend.skip_locked:
-                pick = pick.with_for_update(skip_locked=True)
-            rows = conn.execute(pick).all()
-            if not rows:
+            got = _take(store, conn, run_id=run_id, collector_id=collector_id, split=split,
+                        only=only, n=n - len(leases))  # fmt: skip
+            if not got:
                 _add_round(store, conn, run_id=run_id, split=split, tasks=tasks, only=only, n=n)
                 continue
-            for task_id, seq, lease in rows:
+            for task_id, seq, lease, _ in sorted(got, key=lambda r: (r[1], r[3], r[0])):
                 if task_id not in known:
                     raise TaskError(
                         f"the store issued a slot of task {task_id!r}, which this collector "
                         f"does not have: collectors of run {run_id!r} must load the same tasks"
                     )
-                conn.execute(
-                    sa.update(s)
-                    .where(s.c.run_id == run_id, s.c.task_id == task_id, s.c.seq == seq)
-                    .values(
-                        status=LEASED, collector_id=collector_id, lease=lease + 1, leased_at=now
-                    )
-                )
-                leases.append(SlotLease(run_id, task_id, int(seq), int(lease) + 1, collector_id))
+                leases.append(SlotLease(run_id, task_id, int(seq), int(lease), collector_id))
     if not leases:
         raise StoreError(f"could not claim a task slot of run {run_id!r} (contention)")
     return leases
+
+
+def _take(store, conn, *, run_id: str, collector_id: str, split: Split, only, n: int):
+    """Lease up to ``n`` free slots, lowest ``(seq, rank)`` first, in one ``UPDATE …
+    RETURNING``; returns their ``(task_id, seq, new lease, rank)``. On PostgreSQL the pick is
+    ``FOR UPDATE SKIP LOCKED``: concurrent claimers take disjoint rows and never wait."""
+    s = T.task_slots
+    pick = (
+        sa.select(s.c.run_id, s.c.task_id, s.c.seq)
+        .where(s.c.run_id == run_id, s.c.split == str(split), s.c.status == FREE)
+        .order_by(s.c.seq, s.c.rank, s.c.task_id)
+        .limit(n)
+    )
+    if only is not None:
+        pick = pick.where(s.c.task_id.in_(list(only)))
+    if store.backend.skip_locked:
+        pick = pick.with_for_update(skip_locked=True)
+    return conn.execute(
+        sa.update(s)
+        .where(sa.tuple_(s.c.run_id, s.c.task_id, s.c.seq).in_(pick))
+        .values(
+            status=LEASED, collector_id=collector_id, lease=s.c.lease + 1,
+            leased_at=sa.func.now(),
+        )
+        .returning(s.c.task_id, s.c.seq, s.c.lease, s.c.rank)
+    ).all()  # fmt: skip
 
 
 def _add_round(store, conn, *, run_id: str, split: Split, tasks, only, n: int) -> None:
@@ -293,6 +346,37 @@ def finish(conn: sa.Connection, *, run_id: str, task_id: str, seq: int, lease: i
         .values(status=DONE, done_at=now)
     ).rowcount  # fmt: skip
     return n == 1
+
+
+def finish_many(
+    conn: sa.Connection, slots: Sequence[tuple[str, str, int, int]], *, now
+) -> set[tuple[str, str, int]]:
+    """:func:`finish` for many ``(run_id, task_id, seq, lease)`` in one statement (PostgreSQL);
+    returns the ``(run_id, task_id, seq)`` marked done.
+
+    The rows are locked in key order first (``ORDER BY … FOR UPDATE``), as the one-by-one
+    loop did, so two writers never wait on each other crosswise."""
+    s = T.task_slots
+    if not slots:
+        return set()
+    key = sa.tuple_(s.c.run_id, s.c.task_id, s.c.seq)
+    t = s.alias("t")
+    mine = (
+        sa.select(t.c.run_id, t.c.task_id, t.c.seq)
+        .where(
+            sa.tuple_(t.c.run_id, t.c.task_id, t.c.seq, t.c.lease).in_(list(slots)),
+            t.c.status.in_([LEASED, FREE]),
+        )
+        .order_by(t.c.run_id, t.c.task_id, t.c.seq)
+        .with_for_update()
+    )
+    rows = conn.execute(
+        sa.update(s)
+        .where(key.in_(mine))
+        .values(status=DONE, done_at=now)
+        .returning(s.c.run_id, s.c.task_id, s.c.seq)
+    ).all()
+    return {(r, t_, int(q)) for r, t_, q in rows}
 
 
 def slot_counts(store, run_id: str) -> dict[str, int]:

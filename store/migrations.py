@@ -107,6 +107,14 @@ def _packed_turns(conn: sa.Connection) -> None:
     convert_turns(conn)
 
 
+@migration(5)
+def _collector_policy_version(conn: sa.Connection) -> None:
+    """``collectors.policy_version``: the version each collector serves or is loading, so
+    that checkpoint retention never deletes it (issue 13). A no-op on a fresh store."""
+    if not _has_column(conn, "collectors", "policy_version"):
+        conn.execute(sa.text("ALTER TABLE collectors ADD COLUMN policy_version INTEGER"))
+
+
 def latest_version() -> int:
     return max(MIGRATIONS)
 

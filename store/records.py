@@ -319,6 +319,9 @@ class CollectorRecord:
     stopped_at: datetime | None
     """Set by a clean stop, or when a successor on the same spool retired it; None = running
     or killed (then its heartbeat lapses)."""
+    policy_version: int | None = None
+    """The policy version it serves or is loading (announced before every reload, so
+    checkpoint retention keeps that folder); None until it announces one."""
 
 
 class WriteOutcome(StrEnum):

@@ -227,6 +227,12 @@ collectors = sa.Table(
     sa.Column("started_at", Timestamp, nullable=False),
     sa.Column("heartbeat_at", Timestamp, nullable=False, comment="Store clock."),
     sa.Column("stopped_at", Timestamp, comment="Clean stop or retired; NULL while running."),
+    # last: migration 5 appends it
+    sa.Column(
+        "policy_version",
+        sa.Integer,
+        comment="Version it serves or is loading (set before a reload); NULL: none announced.",
+    ),
     comment="One row per collector process; see docs/scaleout.md.",
 )
 

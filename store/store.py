@@ -330,11 +330,19 @@ class Store:
 
         return collectors.register(self, run_id=run_id, host=host, collector_id=collector_id)
 
-    def heartbeat_collector(self, collector_id: str) -> bool:
-        """Renew its heartbeat; False if the store holds it as stopped (or does not know it)."""
+    def heartbeat_collector(self, collector_id: str, *, policy_version: int | None = None) -> bool:
+        """Renew its heartbeat (and announce the policy version it serves or is about to
+        load); False if the store holds it as stopped (or does not know it)."""
         from store import collectors
 
-        return collectors.heartbeat(self, collector_id)
+        return collectors.heartbeat(self, collector_id, policy_version=policy_version)
+
+    def collector_policy_versions(self, *, run_id: str, within_s: float) -> set[int]:
+        """Versions that collectors of ``run_id`` with a heartbeat younger than ``within_s``
+        serve or are loading (checkpoint retention keeps them)."""
+        from store import collectors
+
+        return collectors.referenced_versions(self, run_id=run_id, within_s=within_s)
 
     def stop_collector(self, collector_id: str) -> int:
         """Mark it stopped and free its leased slots at once; returns the slots freed."""

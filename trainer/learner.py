@@ -72,6 +72,8 @@ class LearnerStore(Protocol):
 
     def oldest_version_in_flight(self, run_id: str) -> int | None: ...
 
+    def collector_policy_versions(self, *, run_id: str, within_s: float) -> set[int]: ...
+
     def acquire_lease(self, *, run_id: str, learner_id: str, lease_s: float) -> LeaseRecord: ...
 
     def renew_lease(self, fence: Fence, *, lease_s: float) -> LeaseRecord: ...
@@ -377,7 +379,7 @@ class Learner:
     def _prune(self) -> None:
         rule = RetentionPolicy(
             self.lc.checkpoint_keep_last, self.lc.checkpoint_keep_every,
-            self.lc.checkpoint_grace_s,
+            self.lc.checkpoint_grace_s, self.cfg.collector.heartbeat_ttl_s,
         )  # fmt: skip
         try:
             prune_checkpoints(

@@ -7,8 +7,13 @@ A registered version is kept when any of these holds (config ``learner.checkpoin
 - ``checkpoint_keep_every`` > 0 and the version is a multiple of it;
 - it is still referenced by work in flight: at or after the oldest ``min_policy_version`` of
   the run's groups that are READY or CLAIMED (sampled but not yet consumed);
-- its successor was registered less than ``checkpoint_grace_s`` ago: a collector that read
-  it as the latest version may still be loading it.
+- a collector of the run serves it or is loading it: every collector announces the version
+  in its heartbeat row (``collectors.policy_version``) *before* it reloads, and its
+  reference counts while it has not stopped and its heartbeat is younger than
+  ``collector.heartbeat_ttl_s + checkpoint_grace_s`` (a collector that is only slow keeps
+  its version; a dead one's reference lapses after that);
+- its successor was registered less than ``checkpoint_grace_s`` ago: this covers the moment
+  between a collector reading the latest version and announcing it.
 
 Everything else that the retention may delete lies inside the checkpoint dir (a registered
 ``checkpoint_uri`` elsewhere, such as an initial model, is never touched). Folders of terms
@@ -39,6 +44,9 @@ class RetentionPolicy:
     keep_last: int
     keep_every: int
     grace_s: float
+    collector_ttl_s: float = 60.0
+    """``collector.heartbeat_ttl_s``: with ``grace_s``, how long a silent collector's
+    announced version stays protected."""
 
 
 def versions_to_keep(
@@ -47,8 +55,10 @@ def versions_to_keep(
     *,
     in_flight_from: int | None,
     now: datetime,
+    referenced: Iterable[int] = (),
 ) -> set[int]:
-    """The registered versions that must stay (see the module docstring)."""
+    """The registered versions that must stay (see the module docstring); ``referenced``:
+    versions live collectors announced."""
     ordered = sorted(policies, key=lambda p: p.version)
     if not ordered:
         return set()
@@ -58,6 +68,7 @@ def versions_to_keep(
         keep |= {v for v in versions if v % rule.keep_every == 0}
     if in_flight_from is not None:
         keep |= {v for v in versions if v >= in_flight_from}
+    keep |= set(referenced) & set(versions)
     grace = timedelta(seconds=rule.grace_s)
     for p, successor in itertools.pairwise(ordered):
         if now - successor.created_at < grace:
@@ -91,9 +102,13 @@ def prune_checkpoints(
     """Delete the folders retention allows; returns what was deleted (call as the leader)."""
     now = now or datetime.now(UTC)
     policies = store.policies(run_id)
-    keep = versions_to_keep(
-        policies, rule, in_flight_from=store.oldest_version_in_flight(run_id), now=now
+    referenced = store.collector_policy_versions(
+        run_id=run_id, within_s=rule.collector_ttl_s + rule.grace_s
     )
+    keep = versions_to_keep(
+        policies, rule, in_flight_from=store.oldest_version_in_flight(run_id), now=now,
+        referenced=referenced,
+    )  # fmt: skip
     registered = {Path(p.checkpoint_uri).resolve() for p in policies}
     doomed = [
         Path(p.checkpoint_uri)

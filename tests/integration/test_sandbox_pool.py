@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from collector.sandbox.base import ExecOutcome
-from collector.sandbox.janitor import gc, list_containers
+from collector.sandbox.janitor import gc, list_containers, remove_containers
 from collector.sandbox.podman import PodmanSandbox, collector_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -232,3 +232,84 @@ def test_cancelled_exec_does_not_desync_the_shell(sandbox_pool):
             assert r.stdout == "next\n0\n" and b.restarts == 1
 
     asyncio.run(go())
+
+
+_NAMESPACED_COLLECTOR = """
+import os, socket, sys, time
+from store import Store
+store = Store(sys.argv[1])
+cid = store.register_collector(run_id="run")  # host: this namespace's own host name
+print(cid, socket.gethostname(), os.getpid(), flush=True)
+while True:  # heartbeat until killed, as a running collector does
+    time.sleep(0.5)
+    store.heartbeat_collector(cid)
+"""
+
+
+def _free_host_pid() -> int:
+    """A pid no process on this host has now."""
+    return next(p for p in range(30000, 20000, -1) if not Path(f"/proc/{p}").exists())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="unshare --pid/--uts needs root")
+def test_gc_keeps_a_live_collector_in_another_pid_namespace_and_host(
+    sandbox_config, sandbox_image, tmp_path
+):
+    """A collector in its own PID and UTS namespace (a second host: its own host name, and a
+    pid that names no process here) heartbeats into the store: `sandpiper sandbox gc` keeps
+    its container. A collector of THIS host whose heartbeat lapsed is removed although the
+    pid in its row is alive (this very process). ~10 s."""
+    from store import Store
+
+    url = f"duckdb:///{tmp_path / 'store.duckdb'}"
+    store = Store(url)
+    store.init()
+    pid = _free_host_pid()
+    # ns_last_pid makes the namespace's next pid `pid`: one that does not exist on this host
+    # not exec'd: the collector is a child of the namespace's init (sh), so it gets `pid`
+    inner = (f"hostname simulated-host-b && echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "
+             f'{sys.executable} -c "$COLLECTOR" {url}')  # fmt: skip
+    repo = str(Path(__file__).resolve().parents[2])
+    other_host = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--uts", "sh", "-c", inner],
+        stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": repo, "COLLECTOR": _NAMESPACED_COLLECTOR},
+    )  # fmt: skip
+    run = f"gc-ns-test-{os.getpid()}-{time.time_ns()}"
+    try:
+        live, host, inner_pid = other_host.stdout.readline().split()
+        assert host == "simulated-host-b" != os.uname().nodename
+        assert int(inner_pid) == pid and not Path(f"/proc/{pid}").exists()
+        # a collector of this host whose pid (ours) is alive, but whose heartbeat lapses
+        lapsed = store.register_collector(run_id="run")
+        assert [r.pid for r in store.collectors("run") if r.collector_id == lapsed] == [os.getpid()]
+        sid = store.store_id()
+
+        async def make(i: int, cid: str):
+            uid_base = None if os.geteuid() else 1_000_000 + 65536 * (1100 + i)
+            box = await PodmanSandbox.create(
+                sandbox_config, uid_base=uid_base,
+                labels={"sandpiper.run": run, "sandpiper.collector": cid, "sandpiper.store": sid},
+            )  # fmt: skip
+            await box._kill_shell()
+            return box
+
+        async def both():
+            return await make(0, live), await make(1, lapsed)
+
+        live_box, lapsed_box = asyncio.run(both())
+        time.sleep(3)  # > the TTL below: only the namespaced collector heartbeats meanwhile
+        gc_cli = subprocess.run(
+            [sys.executable, "-m", "sandpiper.cli", "sandbox", "gc", "--store.url", url,
+             "--collector.heartbeat_ttl_s", "2", "--grace-s", "1000000000"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert gc_cli.returncode == 0, gc_cli.stdout + gc_cli.stderr
+        assert lapsed_box.id in gc_cli.stdout and live_box.id not in gc_cli.stdout
+        left = {c.name for c in asyncio.run(list_containers({"sandpiper.run": run}))}
+        assert left == {live_box.id}
+    finally:
+        other_host.kill()
+        other_host.wait(timeout=30)
+        asyncio.run(remove_containers({"sandpiper.run": run}))
+        store.close()

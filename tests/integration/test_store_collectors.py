@@ -153,6 +153,19 @@ def test_a_version_1_store_migrates(store):
     stale.close()
 
 
+def test_a_version_4_store_gains_the_collectors_policy_version(store):
+    cid = store.register_collector(run_id="run", host="a")
+    with store.backend.write() as conn:
+        conn.execute(sa.text("ALTER TABLE collectors DROP COLUMN policy_version"))
+        conn.execute(sa.text("UPDATE schema_meta SET value = '4' WHERE key = 'schema_version'"))
+    stale = Store(store.url)
+    assert stale.migrate() == [5]
+    assert [r.policy_version for r in stale.collectors("run")] == [None]
+    assert stale.heartbeat_collector(cid, policy_version=2)
+    assert stale.collector_policy_versions(run_id="run", within_s=60) == {2}
+    stale.close()
+
+
 def test_text_with_copy_escapes_and_nan_round_trips(store):
     """PostgreSQL ingest formats COPY text itself: tabs, newlines, backslashes, a literal
     ``\\N``, NULLs and NaN must come back exactly."""
@@ -184,3 +197,27 @@ def test_text_with_copy_escapes_and_nan_round_trips(store):
         np.float32(-0.1),
         np.float32(-1e-7),
     ]
+
+
+def test_heartbeats_announce_the_policy_version_that_retention_keeps(store):
+    a = store.register_collector(run_id="run", host="a")
+    b = store.register_collector(run_id="run", host="b")
+    c = store.register_collector(run_id="run", host="c")
+    other_run = store.register_collector(run_id="other", host="d")
+    assert store.collector_policy_versions(run_id="run", within_s=60) == set()  # none announced
+    assert store.heartbeat_collector(a, policy_version=3)
+    assert store.heartbeat_collector(b, policy_version=5)
+    assert store.heartbeat_collector(c, policy_version=4)
+    assert store.heartbeat_collector(other_run, policy_version=9)
+    assert store.heartbeat_collector(a)  # a plain heartbeat keeps the announced version
+    store.stop_collector(c)
+    assert [r.policy_version for r in store.collectors("run")] == [3, 5, 4]
+    assert store.collector_policy_versions(run_id="run", within_s=60) == {3, 5}
+    with store._write() as conn:  # b fell silent 2 minutes ago (store clock)
+        conn.execute(
+            sa.text("UPDATE collectors SET heartbeat_at = heartbeat_at - INTERVAL '2 minutes' "
+                    "WHERE collector_id = :b"),
+            {"b": b},
+        )  # fmt: skip
+    assert store.collector_policy_versions(run_id="run", within_s=60) == {3}
+    assert store.collector_policy_versions(run_id="run", within_s=600) == {3, 5}

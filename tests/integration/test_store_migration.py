@@ -132,7 +132,7 @@ def test_migration_4_converts_an_old_store_and_reads_back_identically(store_url,
     store = Store(store_url, lock_timeout_s=10)
     with pytest.raises(SchemaVersionError, match="store migrate"):
         store.group_counts("run")
-    assert store.migrate() == [2, 3, 4]
+    assert store.migrate() == list(range(2, migrations.latest_version() + 1))
     assert store.schema_version() == migrations.latest_version()
 
     want = sorted(

@@ -139,6 +139,14 @@ def test_backpressure_stops_new_groups_until_the_learner_consumes(tiny_tokenizer
 
 def test_new_policy_is_hot_loaded_and_later_tokens_carry_it(tiny_tokenizer, tmp_path):
     collector, store, writer, policy = _collector(tiny_tokenizer, tmp_path, _config(), delay_s=0.01)
+    announced_at_reload = []
+    reload = policy.reload
+
+    async def recording_reload(checkpoint_dir, version):
+        announced_at_reload.append(list(store.announced))
+        await reload(checkpoint_dir, version)
+
+    policy.reload = recording_reload
 
     async def scenario():
         stop = asyncio.Event()
@@ -151,6 +159,8 @@ def test_new_policy_is_hot_loaded_and_later_tokens_carry_it(tiny_tokenizer, tmp_
 
     asyncio.run(scenario())
     assert policy.reloads == [("/ckpt/v1", 1)]
+    # the version was announced in the heartbeat row before loading began (retention)
+    assert announced_at_reload == [[(collector.collector_id, 1)]]
     versions = [e.policy_version_range for g in writer.groups for e in g.episodes]
     assert (0, 0) in versions and (1, 1) in versions
     assert collector.metrics.reloads == 1 and collector.metrics.policy_version == 1

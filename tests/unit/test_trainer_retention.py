@@ -39,8 +39,15 @@ def test_grace_keeps_a_version_whose_successor_is_young():
 
 
 class _Store:
-    def __init__(self, policies, in_flight=None):
+    def __init__(self, policies, in_flight=None, collectors=()):
         self._policies, self._in_flight = policies, in_flight
+        self.collectors = list(collectors)
+        """(policy_version, heartbeat age in s, stopped) of the run's collectors."""
+        self.asked_within_s: list[float] = []
+
+    def collector_policy_versions(self, *, run_id, within_s):
+        self.asked_within_s.append(within_s)
+        return {v for v, age, stopped in self.collectors if not stopped and age < within_s}
 
     def policies(self, run_id):
         return self._policies
@@ -75,3 +82,33 @@ def test_prune_deletes_only_what_retention_allows(tmp_path):
     left = sorted(p.name for p in ckpt.iterdir())
     assert left == [".v000006-t0002.tmp-00ff00ff", "v000003-t0002", "v000004-t0002",
                     "v000005-t0002"]  # fmt: skip
+
+
+def test_a_version_a_live_collector_announced_is_kept(tmp_path):
+    """Keep last 1 and no grace would delete v1..v4; collectors still reference two of them."""
+    ckpt = tmp_path / "policies"
+    policies = _policies(6, ckpt, term=1)
+    for p in policies:
+        Path(p.checkpoint_uri).mkdir(parents=True)
+    rule = RetentionPolicy(keep_last=1, keep_every=0, grace_s=30, collector_ttl_s=60)
+    store = _Store(
+        policies,
+        collectors=[
+            (2, 5.0, False),  # live, serving v2 (a slow reloader): kept
+            (3, 80.0, False),  # heartbeat lapsed 80 s ago, within ttl + grace: kept
+            (1, 5.0, True),  # stopped cleanly: its v1 may go
+            (4, 200.0, False),  # silent longer than ttl + grace (dead): v4 may go
+        ],
+    )
+    deleted = prune_checkpoints(store, run_id="r", checkpoint_dir=ckpt, term=1, rule=rule, now=NOW)
+    assert store.asked_within_s == [90]
+    assert sorted(p.name for p in deleted) == ["v000001-t0001", "v000004-t0001"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "v000000-t0001", "v000002-t0001", "v000003-t0001", "v000005-t0001",
+    ]  # fmt: skip
+
+
+def test_referenced_versions_unknown_to_the_store_are_ignored():
+    rule = RetentionPolicy(keep_last=1, keep_every=0, grace_s=0)
+    kept = versions_to_keep(_policies(4), rule, in_flight_from=None, now=NOW, referenced={1, 9})
+    assert kept == {0, 1, 3}
