@@ -273,14 +273,12 @@ def test_a_supervisor_killed_twice_never_loses_the_pools_container(attacks):
 
 
 # Last in the module: the supervisor it kills leaves the pool to replace the container.
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: empty files cost ~1 KB of kernel memory each, charged to the container; "
-    "podman 4.3 cannot cap a tmpfs's inodes (docs/security.md, known limits)",
-)
-def test_inode_flood_cannot_kill_the_supervisor(attacks):
-    """300,000 empty files leave no memory for the supervisor: it is OOM-killed and the
-    episode becomes infra-invalid instead of 0."""
+def test_inode_flood_is_graded_not_invalid(attacks):
+    """300,000 empty files leave no memory for the supervisor (each tmpfs inode costs ~1 KB
+    of kernel memory, charged to the container, and podman 4.3 cannot cap a tmpfs's inodes):
+    it is killed during the tests. The agent did that to its own sandbox, so the episode is
+    ``sandbox_died`` — valid and scored 0 — never an infra-invalid escape from its penalty."""
     flood = bash(f"{put('/tmp/flood.py', FLOOD)}; python3 /tmp/flood.py")
     _, ep = attacks.episode(attacks.imports, [flood, SUBMIT])
-    assert ep.stop_reason is StopReason.SUBMITTED and ep.valid, (ep.stop_reason, ep.error)
+    assert ep.valid and ep.reward == 0.0, (ep.stop_reason, ep.error)
+    assert ep.stop_reason in (StopReason.SANDBOX_DIED, StopReason.SUBMITTED), ep.stop_reason
