@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Literal
 
 from analysis.query import QueryError
 from analysis.terminal import json_safe, neutralize
@@ -74,7 +74,7 @@ def print_table(df: pl.DataFrame, *, file: IO[str] | None = None, title: str | N
     table = Table(title=title, show_lines=False, header_style="bold")
     numeric = {n for n, t in df.schema.items() if t.is_numeric()}
     for name in df.columns:
-        justify = "right" if name in numeric else "left"
+        justify: Literal["right", "left"] = "right" if name in numeric else "left"
         table.add_column(Text(neutralize(name)), justify=justify, overflow="fold")
     shown = flatten_nested(df.head(MAX_TABLE_ROWS))
     for row in shown.iter_rows():  # Text: a cell is never read as rich markup

@@ -76,19 +76,19 @@ def _finish_slots(store, conn: sa.Connection, groups: list[GroupRecord], now) ->
     """Mark the slots of ``groups`` done where they still have the group's lease; returns
     the group ids whose slot was. PostgreSQL: one statement for all (a round trip per group
     was most of a commit's statements); DuckDB: one by one, under the file lock."""
+    leased = [(g, g.slot_lease) for g in groups if g.slot_lease is not None]
     if store.backend.skip_locked:
         done = collectors.finish_many(
-            conn, [(g.run_id, g.task_id, _slot_seq(g), g.slot_lease) for g in groups], now=now
+            conn, [(g.run_id, g.task_id, _slot_seq(g), lease) for g, lease in leased], now=now
         )
-        return {g.group_id for g in groups if (g.run_id, g.task_id, _slot_seq(g)) in done}
+        return {g.group_id for g, _ in leased if (g.run_id, g.task_id, _slot_seq(g)) in done}
     return {
         g.group_id
-        for g in groups
+        for g, lease in leased
         if collectors.finish(
-            conn, run_id=g.run_id, task_id=g.task_id, seq=_slot_seq(g), lease=g.slot_lease,
-            now=now,
+            conn, run_id=g.run_id, task_id=g.task_id, seq=_slot_seq(g), lease=lease, now=now
         )
-    }  # fmt: skip
+    }
 
 
 def write(store, groups: list[GroupRecord]) -> WriteReport:
@@ -114,7 +114,7 @@ def write(store, groups: list[GroupRecord]) -> WriteReport:
     all_tables = arrow_io.groups_to_arrow(candidates, now) if candidates else None
     with store._write() as conn:
         stored = _stored_episodes(conn, list(batch))
-        candidates: list[GroupRecord] = []
+        pending: list[GroupRecord] = []
         # slots are finished in key order, so two writers never lock the same rows crosswise
         for gid, g in sorted(batch.items(), key=lambda kv: (kv[1].task_id, kv[0])):
             if gid in outcomes:
@@ -127,11 +127,11 @@ def write(store, groups: list[GroupRecord]) -> WriteReport:
                 else:
                     outcomes[gid] = WriteOutcome.DUPLICATE
             else:
-                candidates.append(g)
-        finished = _finish_slots(store, conn, [g for g in candidates if g.slot_lease is not None],
+                pending.append(g)
+        finished = _finish_slots(store, conn, [g for g in pending if g.slot_lease is not None],
                                  now)  # fmt: skip
         fresh: list[GroupRecord] = []
-        for g in candidates:
+        for g in pending:
             if g.slot_lease is not None and g.group_id not in finished:
                 outcomes[g.group_id] = WriteOutcome.SUPERSEDED
             else:
