@@ -138,7 +138,7 @@ class MemoryStore:
             leases.append(SlotLease(run_id, task, seq, 1, collector_id))
         return leases
 
-    def heartbeat_collector(self, collector_id: str) -> bool:
+    def heartbeat_collector(self, collector_id: str, *, policy_version: int | None = None) -> bool:
         return True
 
     def stop_collector(self, collector_id: str) -> int:
