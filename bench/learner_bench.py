@@ -187,6 +187,9 @@ def main() -> None:
                 fn()
                 times.append(time.perf_counter() - start)
             print(f"step_s sandpiper={t_ours[-1]:.3f} trl={t_trl[-1]:.3f}", file=sys.stderr)
+    from trainer.engine import shutdown_distributed
+
+    shutdown_distributed()  # a live gloo group can abort the interpreter's exit
     ours_s, trl_s = statistics.median(t_ours), statistics.median(t_trl)
     result = {
         "model": args.model,

@@ -91,6 +91,29 @@ def init_distributed() -> World:
     return World(rank, int(os.environ["WORLD_SIZE"]), device)
 
 
+def shutdown_distributed(*, clean: bool = True) -> None:
+    """Leave the process group: every rank first waits for the others (``clean``), then
+    destroys it, before the interpreter starts finalizing.
+
+    Why: a process that exits with its gloo group alive aborts at random (SIGABRT,
+    "terminate called without an active exception"): gloo's C++ worker threads still hold
+    work whose tensors reference Python objects, and the interpreter is already torn down
+    when their destructors run (pytorch/pytorch#190489). Measured on this machine with a
+    minimal 2-rank torchrun script (20 all-reduces and one object broadcast): 8 of 40 runs
+    aborted without this call, 0 of 40 with it; in CI it failed three 2-rank tests in one
+    run. Without the barrier a fast rank would tear down its end while rank 0 still
+    registers the last version. ``clean=False`` (the run failed on this rank) skips the
+    barrier, which a rank that stopped early would never reach, and only destroys.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    if clean and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def load_ds_config(path: str | Path, *, world_size: int, max_grad_norm: float) -> dict[str, Any]:
     """Read a DeepSpeed JSON and pin the fields the learner owns."""
     config = json.loads(Path(path).read_text())

@@ -10,15 +10,29 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sandpiper.config import RunConfig, load_config, write_resolved
+
+if TYPE_CHECKING:  # torch is imported late: `sandpiper --help` stays fast
+    from trainer.engine import World
 
 
 def run_learner(cfg: RunConfig) -> int:
     """Run GRPO (until ``max_steps`` / ``max_idle_s``) or one SFT pass; returns steps done."""
-    from trainer.engine import init_distributed
+    from trainer.engine import init_distributed, shutdown_distributed
 
     world = init_distributed()  # before anything imports deepspeed with the wrong accelerator
+    clean = False
+    try:
+        steps = _run(cfg, world)
+        clean = True
+        return steps
+    finally:
+        shutdown_distributed(clean=clean)
+
+
+def _run(cfg: RunConfig, world: World) -> int:
     _log_to_stderr(world.rank)
 
     from store import Store

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -274,8 +275,19 @@ def test_a_stopped_shell_is_detected_by_the_host_watchdog_and_the_episode_goes_o
 
 def test_a_container_removed_by_the_host_is_sandbox_lost_and_replaced(harness):
     def remove():
-        subprocess.run(["podman", "rm", "-f", "-t", "0", _container()], check=True,
-                       capture_output=True)  # fmt: skip
+        """As an operator would: ``podman rm -f``, again while the container still exists
+        (podman 4.3's removal racing the pool's own ``podman exec`` can fail with "device
+        or resource busy", the race ``remove_containers_by_name`` retries in the collector)."""
+        name, errors = _container(), []
+        for attempt in range(5):
+            done = subprocess.run(["podman", "rm", "-f", "-t", "0", name], capture_output=True,
+                                  text=True)  # fmt: skip
+            gone = subprocess.run(["podman", "container", "exists", name]).returncode == 1
+            if gone:
+                return
+            errors.append(done.stderr.strip())
+            time.sleep(0.2 * 2**attempt)
+        raise AssertionError(f"podman rm -f {name} kept failing: {errors}")
 
     replies = [bash("echo one"), bash("echo two"), SUBMIT]
     ep = harness.episode([], policy=_OnTurn(harness.tokenizer, replies, at=1, action=remove))
