@@ -238,24 +238,12 @@ def adopt_orphan_spools(store, own: Path) -> int:
 
 
 async def _start_servers(config: RunConfig, stack: contextlib.AsyncExitStack) -> list[Any]:
-    """Start ``inference.num_servers`` local servers (none when URLs are given)."""
-    from collector.inference.server import VLLMServer
+    """The run's local servers on version 0 (none when ``inference.server_urls`` is given),
+    logging to ``inference.log_dir`` or else the run's folder."""
+    from collector.inference.server import start_servers
 
     if config.inference.server_urls:
         return []
-    servers = [
-        VLLMServer.from_config(
-            config.inference,
-            config.learner.model,
-            index=i,
-            log_path=config.run_dir / f"vllm-{i}.log",
-        )
-        for i in range(config.inference.num_servers)
-    ]
-    for server in servers:
-        stack.callback(server.stop)
-    await asyncio.gather(*(asyncio.to_thread(s.start) for s in servers))
-    for server in servers:
-        supervisor = asyncio.create_task(server.supervise())
-        stack.callback(supervisor.cancel)
-    return servers
+    return await start_servers(
+        config.inference, config.learner.model, stack, log_dir=config.run_dir
+    )

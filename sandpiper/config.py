@@ -111,8 +111,8 @@ class InferenceConfig(_Part):
     server_args: list[str] = Field(default_factory=list)
     """Extra ``vllm`` flags for launched servers (e.g. ``["--max-num-seqs", "32"]``)."""
     log_dir: str | None = None
-    """Where launched servers write ``vllm-<port>.log``; None = the ``log_dir`` the launcher
-    passes to ``launch_servers`` (the run's folder), else the temp dir."""
+    """Where launched servers (``sandpiper collect``, ``sandpiper gateway``) write
+    ``vllm-<port>.log``; None = the run's folder."""
     chat_template: str | None = None
     """A Jinja chat template file that replaces the model's own for prompt rendering (e.g. a
     template with tools for a model whose template has none); None = the tokenizer's."""

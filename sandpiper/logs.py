@@ -50,6 +50,14 @@ PROGRESS_BAR_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def log_format() -> str:
+    """:data:`FORMAT`, with the rank in processes of a multi-process learner (the DeepSpeed
+    launcher and torchrun set ``RANK`` / ``WORLD_SIZE``), whose lines share one stream."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return f"%(asctime)s %(levelname)s rank {os.environ.get('RANK', '?')} %(name)s: %(message)s"
+    return FORMAT
+
+
 def is_verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0", "false")
 
@@ -65,7 +73,7 @@ def setup_logging(
     root = logging.getLogger()
     if not any(getattr(h, "_sandpiper", False) for h in root.handlers):
         handler = logging.StreamHandler(stream)
-        handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
+        handler.setFormatter(logging.Formatter(log_format(), datefmt="%H:%M:%S"))
         handler._sandpiper = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(level)

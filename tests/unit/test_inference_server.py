@@ -167,8 +167,13 @@ def test_from_config_uses_log_dir_and_server_args(tmp_path: Path) -> None:
     assert server.command()[-2:] == ["--max-num-seqs", "8"]
 
 
-def test_launch_servers_starts_all_or_none(tmp_path: Path, monkeypatch) -> None:
-    from collector.inference.server import launch_servers
+def test_start_servers_starts_all_or_none(tmp_path: Path, monkeypatch) -> None:
+    """The one launcher (collector and gateway): all servers healthy and supervised, logs in
+    the given folder; one failing start stops the others through the exit stack."""
+    import asyncio
+    import contextlib
+
+    from collector.inference.server import start_servers
 
     def fake_command(self: VLLMServer) -> list[str]:
         workdir = tmp_path / str(self.port)
@@ -183,21 +188,51 @@ def test_launch_servers_starts_all_or_none(tmp_path: Path, monkeypatch) -> None:
     base = free_port()
     config = InferenceConfig(num_servers=2, base_port=base, startup_timeout_s=30.0)
 
-    crash_port = -1
-    servers = launch_servers(config, tmp_path / "model", log_dir=tmp_path)
-    try:
-        assert [s.port for s in servers] == [base, base + 1]
-        assert all(s.is_alive() and s.healthy() for s in servers)
-        assert servers[1].log_path == tmp_path / f"vllm-{base + 1}.log"
-    finally:
-        for server in servers:
-            server.stop()
+    async def start(log_dir: Path | None = tmp_path) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            servers = await start_servers(config, tmp_path / "model", stack, log_dir=log_dir)
+            assert [s.port for s in servers] == [base, base + 1]
+            assert all(s.is_alive() and s.healthy() for s in servers)
+            assert servers[1].log_path == tmp_path / f"vllm-{base + 1}.log"
+            alive.extend(servers)
+        assert not any(s.is_alive() for s in alive), "servers left running after the stack"
+
+    crash_port, alive = -1, []
+    asyncio.run(start())
 
     crash_port = base + 1
     with pytest.raises(InferenceError, match="exited with 4"):
-        launch_servers(config, tmp_path / "model", log_dir=tmp_path)
+        asyncio.run(start())
     healthy_child = int((tmp_path / str(base) / "p").read_text())
     assert wait_until(lambda: not pid_alive(healthy_child)), "the healthy server was left running"
+
+
+def test_start_servers_prefers_the_configured_log_dir(tmp_path: Path, monkeypatch) -> None:
+    """``inference.log_dir`` wins over the run's folder (it once did nothing in `collect`)."""
+    import asyncio
+    import contextlib
+
+    from collector.inference.server import start_servers
+
+    async def idle(self: VLLMServer) -> None:
+        return None
+
+    monkeypatch.setattr(VLLMServer, "start", lambda self: None)
+    monkeypatch.setattr(VLLMServer, "stop", lambda self: None)
+    monkeypatch.setattr(VLLMServer, "supervise", idle)
+
+    async def log_paths(config: InferenceConfig) -> list[Path | None]:
+        async with contextlib.AsyncExitStack() as stack:
+            servers = await start_servers(config, "/m", stack, log_dir=tmp_path / "run")
+            return [s.log_path for s in servers]
+
+    base = InferenceConfig(num_servers=2)
+    ports = [base.base_port, base.base_port + 1]
+    assert asyncio.run(log_paths(base)) == [tmp_path / "run" / f"vllm-{p}.log" for p in ports]
+    configured = base.model_copy(update={"log_dir": str(tmp_path / "logs")})
+    assert asyncio.run(log_paths(configured)) == [
+        tmp_path / "logs" / f"vllm-{p}.log" for p in ports
+    ]
 
 
 def test_server_left_by_a_crashed_owner_is_reaped_on_next_start(tmp_path: Path) -> None:

@@ -98,6 +98,26 @@ def test_setup_logging_twice_keeps_one_handler(monkeypatch):
                 root.removeHandler(handler)
 
 
+def test_a_learner_line_is_printed_once_with_its_rank_when_there_are_several():
+    """``sandpiper learn --nproc 2``: each rank's lines share one stream, so they carry the
+    rank; a learner's own line went out twice before (its own handler and the root's)."""
+    code = """
+        import logging
+        from sandpiper.logs import setup_logging
+        from trainer.main import _log_to_stderr
+        setup_logging()
+        _log_to_stderr()
+        logging.getLogger("sandpiper.learner").info("in charge of run x")
+    """
+    one = _python(code)
+    assert one.returncode == 0, one.stderr
+    assert one.stderr.count("in charge of run x") == 1, one.stderr
+    assert "rank" not in one.stderr
+    two = _python(code, env={**ENV, "RANK": "1", "WORLD_SIZE": "2"})
+    assert two.stderr.count("in charge of run x") == 1, two.stderr
+    assert "INFO rank 1 sandpiper.learner: in charge of run x" in two.stderr
+
+
 def test_demo_prints_plain_progress_lines_without_a_terminal(monkeypatch, capsys):
     from rich.console import Console
 
