@@ -91,6 +91,18 @@ def init_distributed() -> World:
     return World(rank, int(os.environ["WORLD_SIZE"]), device)
 
 
+def broadcast_from_main(obj: Any, world: World) -> Any:
+    """Rank 0's ``obj`` on every rank (only rank 0 talks to the store; the others learn what
+    it found through this). A world of one returns ``obj`` as is."""
+    if world.world_size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def shutdown_distributed(*, clean: bool = True) -> None:
     """Leave the process group: every rank first waits for the others (``clean``), then
     destroys it, before the interpreter starts finalizing.

@@ -22,6 +22,7 @@ from typing import Any
 
 from sandpiper.errors import NotLeaderError, StoreError
 from store.records import Fence
+from trainer.engine import broadcast_from_main
 
 log = logging.getLogger("sandpiper.learner")
 
@@ -35,8 +36,6 @@ def wait_for_leadership(
     store: Any, *, run_id: str, learner_id: str, lease_s: float, poll_s: float, world: Any
 ) -> Fence:
     """Block until this learner holds the run's lease; every rank returns the same fence."""
-    from trainer.learner import _broadcast
-
     waiting_for: tuple[str, int] | None = None
     while True:
         state = None
@@ -46,7 +45,7 @@ def wait_for_leadership(
             if lease is None or lease.expires_at <= datetime.now(UTC):
                 lease = store.acquire_lease(run_id=run_id, learner_id=learner_id, lease_s=lease_s)
             state = (lease.held, lease.learner_id, lease.term, str(lease.expires_at))
-        held, holder, term, expires = _broadcast(state, world)
+        held, holder, term, expires = broadcast_from_main(state, world)
         if held:
             if world.is_main:
                 log.info("learner %s is in charge of run %s (term %d)", learner_id, run_id, term)

@@ -24,7 +24,7 @@ import shutil
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ from trainer.checkpoint import (
     temp_folder,
     write_weights,
 )
-from trainer.engine import World, build_engine, full_state_dict
+from trainer.engine import World, broadcast_from_main, build_engine, full_state_dict
 from trainer.leadership import LeaseKeeper, new_learner_id, wait_for_leadership
 from trainer.loss import LossConfig, LossStats, grpo_loss
 from trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
@@ -103,14 +103,6 @@ def checkpoint_dir(cfg: RunConfig) -> Path:
     return Path(cfg.learner.checkpoint_dir or cfg.run_dir / "policies")
 
 
-def _broadcast(obj: Any, world: World) -> Any:
-    if world.world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 class Learner:
     """Holds the engine and the current policy version; :meth:`run` is the main loop."""
 
@@ -119,7 +111,7 @@ class Learner:
         self.run_id = cfg.name
         # Unique per process: a restarted learner is a new learner, never one that could
         # mistake another live process's claims or lease for its own.
-        self.learner_id = _broadcast(new_learner_id() if world.is_main else None, world)
+        self.learner_id = broadcast_from_main(new_learner_id() if world.is_main else None, world)
         self.loss_cfg = LossConfig.from_learner(self.lc)
         torch.manual_seed(cfg.seed)
         self.fence = wait_for_leadership(
@@ -182,7 +174,7 @@ class Learner:
             else:
                 first = self.store.policies(self.run_id)[0]
             found = (latest.version, latest.checkpoint_uri, first.checkpoint_uri)
-        version, uri, v0_uri = _broadcast(found, self.world)
+        version, uri, v0_uri = broadcast_from_main(found, self.world)
         if not Path(uri).is_dir():
             raise LearnerError(
                 f"policy {version} of run {self.run_id}: {uri} is not a folder this host can "
@@ -212,7 +204,9 @@ class Learner:
         self.tracker = tracker
         steps = 0
         while not (self.lc.max_steps and self.version >= self.lc.max_steps):
-            got = _broadcast(self._next_batch() if self.world.is_main else None, self.world)
+            got = broadcast_from_main(
+                self._next_batch() if self.world.is_main else None, self.world
+            )
             if isinstance(got, str):
                 raise LearnerError(got)
             if got is None:
@@ -328,7 +322,7 @@ class Learner:
         state = full_state_dict(self.engine)
         train_s = time.perf_counter() - started
         out = self.checkpoint_dir / policy_folder_name(new_version, self.term)
-        tmp = _broadcast(temp_folder(out) if self.world.is_main else None, self.world)
+        tmp = broadcast_from_main(temp_folder(out) if self.world.is_main else None, self.world)
         if self.world.is_main:
             write_weights(self.engine.module, tmp, tokenizer=self.tokenizer, state_dict=state)
         if self.lc.save_train_state:
@@ -338,7 +332,7 @@ class Learner:
         refused = None
         if self.world.is_main:
             refused = self._commit(new_version, tmp, out, metrics, started, train_s, claim_id)
-        refused = _broadcast(refused, self.world)
+        refused = broadcast_from_main(refused, self.world)
         if refused is not None:
             raise LearnerError(refused)
         self.version = new_version

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from trainer.engine import broadcast_from_main
 from trainer.learner import Learner
 from trainer.loss import LossStats
 from trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
@@ -22,8 +23,6 @@ from trainer.packing import MicroBatch, TrainSequence
 
 def sft_sequences(learner: Learner) -> list[TrainSequence]:
     """Selected episodes as sequences (rank 0 reads the store, then broadcasts)."""
-    from trainer.learner import _broadcast
-
     episodes = None
     if learner.world.is_main:
         assert learner.store is not None
@@ -32,7 +31,7 @@ def sft_sequences(learner: Learner) -> list[TrainSequence]:
             min_reward=learner.lc.sft_min_reward,
             limit=learner.lc.sft_max_episodes,
         )
-    episodes = _broadcast(episodes, learner.world)
+    episodes = broadcast_from_main(episodes, learner.world)
     return [
         TrainSequence(
             e.episode_id if k == 0 else f"{e.episode_id}#{k}",

@@ -17,34 +17,22 @@ are reused):
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import StrEnum
 
-from collector.sandbox.podman import remove_containers_by_name, run_podman
+from collector.sandbox.containers import (  # noqa: F401 (re-exported: the janitor's API)
+    COLLECTOR_LABEL,
+    STORE_LABEL,
+    ContainerInfo,
+    list_containers,
+    remove_containers,
+    remove_registry,
+)
+from collector.sandbox.podman import remove_containers_by_name
 
-COLLECTOR_LABEL = "sandpiper.collector"
-STORE_LABEL = "sandpiper.store"
 GRACE_S = 3600.0
 """Containers of collectors unknown to the store are kept at least this long."""
-
-
-@dataclass(frozen=True)
-class ContainerInfo:
-    """One sandbox container as ``podman ps`` reports it."""
-
-    name: str
-    state: str
-    created_at: str
-    labels: dict[str, str]
-    created_s: float = 0.0
-    """Creation time, Unix seconds (0 when podman did not say)."""
-
-    @property
-    def collector(self) -> str:
-        return self.labels.get(COLLECTOR_LABEL, "")
 
 
 class Verdict(StrEnum):
@@ -66,24 +54,6 @@ class Verdict(StrEnum):
         return self in (Verdict.DEAD, Verdict.UNKNOWN_OLD)
 
 
-async def list_containers(filters: Mapping[str, str] | None = None) -> list[ContainerInfo]:
-    """Sandbox containers (``sandpiper.managed=1``) matching all ``filters`` labels."""
-    args = ["ps", "-a", "--format", "json", "--filter", "label=sandpiper.managed=1"]
-    for key, value in (filters or {}).items():
-        args += ["--filter", f"label={key}={value}"]
-    rows = json.loads((await run_podman(*args)).decode() or "[]")
-    return [
-        ContainerInfo(
-            name=(row.get("Names") or [row.get("Id", "")[:12]])[0],
-            state=row.get("State", ""),
-            created_at=str(row.get("CreatedAt", "")),
-            labels=row.get("Labels") or {},
-            created_s=float(row.get("Created") or 0),
-        )
-        for row in rows
-    ]
-
-
 def judge(
     container: ContainerInfo,
     *,
@@ -100,14 +70,6 @@ def judge(
         return Verdict.LIVE if live[container.collector] else Verdict.DEAD
     age_s = (time.time() if now_s is None else now_s) - container.created_s
     return Verdict.UNKNOWN_OLD if container.created_s and age_s > grace_s else Verdict.UNKNOWN_YOUNG
-
-
-async def remove_containers(filters: Mapping[str, str]) -> list[str]:
-    """Remove every sandbox container matching ``filters``; returns their names."""
-    names = [c.name for c in await list_containers(filters)]
-    if names:
-        await remove_containers_by_name(names)
-    return names
 
 
 async def verdicts(
@@ -135,8 +97,6 @@ async def gc(
     orphans = [c.name for c, v in judged if v.orphan]
     if orphans and not dry_run:
         await remove_containers_by_name(orphans)
-        from collector.sandbox.pool import REGISTRY_DIR
-
         for name in orphans:
-            (REGISTRY_DIR / f"{name}.json").unlink(missing_ok=True)
+            remove_registry(name)
     return orphans

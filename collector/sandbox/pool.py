@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
 
+from collector.sandbox.containers import (  # noqa: F401 (REGISTRY_DIR, read_registry: API)
+    REGISTRY_DIR,
+    read_registry,
+    remove_containers,
+    remove_registry,
+    write_registry,
+)
 from collector.sandbox.podman import PodmanSandbox, collector_id, sweep_stale_cgroups
 from collector.sandbox.uids import UidSlots
 from sandpiper.config import SandboxConfig
@@ -44,8 +47,6 @@ from sandpiper.errors import SandboxError
 
 log = logging.getLogger(__name__)
 
-REGISTRY_DIR = Path(tempfile.gettempdir()) / "sandpiper-sandboxes"
-"""Host-side ``<container>.json`` files: which episode and task each container serves."""
 START_RETRIES = 3
 
 
@@ -128,13 +129,13 @@ class SandboxPool:
         if isinstance(item, BaseException):
             raise SandboxError(f"could not start a sandbox: {item}") from item
         self._in_use[item.id] = item
-        _write_registry(item.id, episode_id=episode_id, task_id=task_id)
+        write_registry(item.id, episode_id=episode_id, task_id=task_id)
         return item
 
     async def release(self, sandbox: PodmanSandbox, *, broken: bool = False) -> None:
         """Give a sandbox back: reset and reuse it, or replace it when broken or dead."""
         self._in_use.pop(sandbox.id, None)
-        _write_registry(sandbox.id, episode_id=None, task_id=None)
+        write_registry(sandbox.id, episode_id=None, task_id=None)
         self._background(self._recycle(sandbox, broken=broken))
 
     async def _recycle(self, box: PodmanSandbox, *, broken: bool) -> None:
@@ -155,7 +156,7 @@ class SandboxPool:
 
     async def _discard(self, box: PodmanSandbox) -> None:
         await box.close()
-        _remove_registry(box.id)
+        remove_registry(box.id)
         if self._uids is not None and hasattr(box, "uid_slot"):
             self._uids.release(box.uid_slot)
 
@@ -196,28 +197,4 @@ class SandboxPool:
         self._in_use.clear()
         await asyncio.gather(*(self._discard(b) for b in boxes), return_exceptions=True)
         # a start cancelled mid-way may have left a container: remove by this pool's label
-        from collector.sandbox.janitor import remove_containers
-
         await remove_containers({"sandpiper.pool": self.labels["sandpiper.pool"]})
-
-
-def _write_registry(name: str, *, episode_id: str | None, task_id: str | None) -> None:
-    path = REGISTRY_DIR / f"{name}.json"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps({"episode": episode_id, "task": task_id}))
-        os.replace(tmp, path)
-    except OSError as e:  # informational only; never fail an episode for it
-        log.debug("registry write failed: %s", e)
-
-
-def _remove_registry(name: str) -> None:
-    with contextlib.suppress(OSError):
-        (REGISTRY_DIR / f"{name}.json").unlink()
-
-
-def read_registry(name: str) -> dict[str, str | None]:
-    try:
-        return json.loads((REGISTRY_DIR / f"{name}.json").read_text())
-    except (OSError, ValueError):
-        return {}

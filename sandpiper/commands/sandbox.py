@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         import asyncio
 
         from collector.sandbox.janitor import list_containers, verdicts
-        from collector.sandbox.pool import read_registry
+        from collector.sandbox.containers import read_registry
 
         cfg = resolve_config(config, ctx)
         with cli_errors():
