@@ -28,18 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from collector.task_formats import aviato, llm_in_sandbox, open_instruct, trl_daytona
-from collector.tasks import (
-    _CONTEXT_KEYS,
-    OVERRIDE_KEYS,
+from collector.task_loading import OVERRIDE_KEYS, load_task_folder, load_tasks, task_from_row
+from collector.task_model import (
+    CONTEXT_KEYS,
     Task,
-    _check_unique,
-    _content_id,
-    _first,
-    _safe_id,
     assign_split,
-    load_task_folder,
-    load_tasks,
-    task_from_row,
+    check_unique,
+    content_id,
+    first_of,
+    safe_id,
 )
 from sandpiper.errors import TaskError
 from store.records import Split
@@ -104,7 +101,7 @@ def import_tasks(
             )
         else:
             tasks = load_tasks(source)
-        _check_unique(tasks)
+        check_unique(tasks)
         tasks = [assign_split(t, validation_fraction, split_seed) for t in tasks]
         with (staging / "tasks.jsonl").open("w") as f:
             for task in tasks:
@@ -164,7 +161,7 @@ def _fields(task: Task) -> dict[str, Any]:
 
 
 def _task_folder(out: Path, task_id: str, where: str) -> Path:
-    folder = out / _safe_id(task_id, where)
+    folder = out / safe_id(task_id, where)
     if folder.exists():
         raise TaskError(f"{where}: duplicate task id {task_id!r}")
     folder.mkdir()
@@ -173,7 +170,7 @@ def _task_folder(out: Path, task_id: str, where: str) -> Path:
 
 def _llm_in_sandbox_task(row: dict[str, Any], out: Path, where: str) -> Task:
     fields = llm_in_sandbox.task_fields(row, where)
-    task_id = str(fields["id"] or _content_id(fields["instruction"]))
+    task_id = str(fields["id"] or content_id(fields["instruction"]))
     folder = _task_folder(out, task_id, where)
     documents = folder / "files" / Path(llm_in_sandbox.INPUT_DIR).name
     documents.mkdir(parents=True)
@@ -189,7 +186,7 @@ def _llm_in_sandbox_task(row: dict[str, Any], out: Path, where: str) -> Task:
 
 
 def _trl_task(row: dict[str, Any], out: Path, where: str) -> Task:
-    task_id = str(row.get("id") or row.get("name") or _content_id(str(row.get("prompt"))))
+    task_id = str(row.get("id") or row.get("name") or content_id(str(row.get("prompt"))))
     folder = _task_folder(out, task_id, where)
     meta = trl_daytona.write_task(row, folder, where)
     _write_toml(folder / "task.toml", meta)
@@ -197,7 +194,7 @@ def _trl_task(row: dict[str, Any], out: Path, where: str) -> Task:
 
 
 def _aviato_task(row: dict[str, Any], out: Path, where: str) -> Task:
-    task_id = str(row.get("id") or _content_id(json.dumps(row["prompt"], sort_keys=True)))
+    task_id = str(row.get("id") or content_id(json.dumps(row["prompt"], sort_keys=True)))
     folder = _task_folder(out, task_id, where)
     meta, system = aviato.write_task(row, folder, where)
     _write_toml(folder / "task.toml", meta)
@@ -218,7 +215,7 @@ def _document_qa_task(row: dict[str, Any], out: Path, where: str) -> Task:
     base = task_from_row(row, source="llm_in_sandbox", where=where)
     folder = _task_folder(out, base.task_id, where)
     (folder / "files" / "input").mkdir(parents=True)
-    for name, text in _context_files(_first(row, _CONTEXT_KEYS), where):
+    for name, text in _context_files(first_of(row, CONTEXT_KEYS), where):
         (folder / "files" / "input" / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / "files" / "input" / name).write_text(text)
     (folder / "instruction.md").write_text(_DOCUMENT_QA_INSTRUCTION.format(prompt=base.instruction))

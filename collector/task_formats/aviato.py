@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from collector.task_model import ANSWER_KEYS, row_prompt
 from sandpiper.errors import TaskError
 
 TIMEOUT_S = 10
@@ -53,20 +54,16 @@ with open(os.environ["SANDPIPER_RESULT_FILE"], "w") as f:
 
 def is_row(row: dict[str, Any]) -> bool:
     """A chat-message prompt with ``expected_output`` and no answer field of its own."""
-    from collector.tasks import _ANSWER_KEYS
-
     return (
         isinstance(row.get("prompt"), list)
         and "expected_output" in row
-        and not any(row.get(k) is not None for k in _ANSWER_KEYS)
+        and not any(row.get(k) is not None for k in ANSWER_KEYS)
     )
 
 
 def write_task(row: dict[str, Any], folder: Path, where: str) -> tuple[dict[str, Any], str | None]:
     """Write the task folder of one row; returns (``task.toml`` data, system prompt)."""
-    from collector.tasks import _prompt
-
-    instruction, system = _prompt(row, where)
+    instruction, system = row_prompt(row, where)
     expected = row["expected_output"]
     if expected is not None and not isinstance(expected, str | int | float):
         raise TaskError(f"{where}: field 'expected_output' must be text, got {expected!r}")

@@ -23,6 +23,8 @@ import threading
 from pathlib import PurePosixPath
 from typing import Any
 
+from collector.answer_scores import rouge
+from collector.task_model import missing_field
 from sandpiper.errors import TaskError
 
 WORKDIR = "/workspace"
@@ -68,8 +70,6 @@ def is_row(row: dict[str, Any]) -> bool:
 
 def task_fields(row: dict[str, Any], where: str) -> dict[str, Any]:
     """Validate one row; returns instruction, reference and files (name -> text)."""
-    from collector.tasks import missing_field
-
     if is_rllm_record(row):
         row = from_rllm(row)
     for name in ("problem_statement", "ground_truth", "domain"):
@@ -162,8 +162,6 @@ def safe_file_name(name: str, where: str) -> str:
 
 def score(answer: str | None, truth: str, domain: str, qa_type: str | None) -> float:
     """The peer's reward for one answer (``compute_score`` of ``instruct_pretrain``)."""
-    from collector.rewards import rouge
-
     if not answer or not truth:
         return 0.0
     answer, truth, domain = answer.strip(), truth.strip(), domain.lower()

@@ -32,6 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from collector.task_model import Task, row_prompt, safe_id
 from sandpiper.errors import TaskError
 
 SEEDS = "environment/seeds"
@@ -73,15 +74,13 @@ def folder_task(
 ) -> Any:
     """The :class:`~collector.tasks.Task` of one open-instruct folder; a dataset row's prompt
     and image replace the folder's ``instruction.md`` and ``image.txt``."""
-    from collector.tasks import Task, _safe_id
-
     if instruction is None:
         instruction_file = folder / "instruction.md"
         if not instruction_file.is_file():
             raise TaskError(f"{folder}: no instruction.md (and no prompt in a dataset row)")
         instruction = instruction_file.read_text().strip()
     return Task(
-        task_id=_safe_id(task_id or folder.name, str(folder)),
+        task_id=safe_id(task_id or folder.name, str(folder)),
         instruction=instruction,
         reference={"reward": "tests", "result_format": "reward_file"},
         source=folder.parent.name,
@@ -126,8 +125,6 @@ def env_entry(row: dict[str, Any], where: str) -> dict[str, Any]:
 
 def row_task(row: dict[str, Any], where: str, task_data_dir: Path) -> Any:
     """The task one open-instruct dataset row names (see the module docstring)."""
-    from collector.tasks import _prompt
-
     entry = env_entry(row, where)
     task_id = entry.get("task_id")
     if not isinstance(task_id, str) or not task_id.strip():
@@ -143,7 +140,7 @@ def row_task(row: dict[str, Any], where: str, task_data_dir: Path) -> Any:
         raise TaskError(f"{where}: env_config image must be an image name, got {image_tag!r}")
     instruction = system = None
     if any(row.get(k) for k in ("messages", "prompt")):
-        instruction, system = _prompt(row, where)
+        instruction, system = row_prompt(row, where)
     return folder_task(
         folder,
         task_id=task_id,

@@ -27,6 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from collector.task_model import missing_field
 from sandpiper.errors import TaskError
 
 FIELDS = ("prompt", "func_name", "banned_patterns", "tests", "reference")
@@ -136,8 +137,6 @@ def is_row(row: dict[str, Any]) -> bool:
 
 def write_task(row: dict[str, Any], folder: Path, where: str) -> dict[str, Any]:
     """Write the task folder for one row; returns the ``task.toml`` data."""
-    from collector.tasks import missing_field
-
     for name in FIELDS:
         if name not in row:
             raise TaskError(missing_field(where, f"field {name!r}", (name,), row))
