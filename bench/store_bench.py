@@ -27,11 +27,13 @@ Figures (one line each; with ``--json`` the last line is one JSON object):
   pays one-off costs that would land on whichever side ran first).
 
 Where the time goes (issue 17, CPU per 2,000-trajectory batch, details in
-docs/perf-issue17.md): records → Arrow 0.22 s (0.59 s before this session's column-wise
-``groups_to_arrow``), validation ~0.01 s (~0.15 s), the DuckDB insert of the packed arrays
-with zstd ~0.22 s plus open/dedup/commit ~0.13 s, against pyarrow's Parquet + zstd write of
-0.12 s; the conversion is shared by both sides, so the ratio stays below 0.8 however fast it
-gets. A 64-group claim: ~140–160 ms CPU (open 20, SQL 25, scan 50, numpy 26, close 25).
+docs/perf-issue17.md): records → Arrow ~0.23 s (shared by both sides), validation ~0.03 s,
+the DuckDB insert ~0.26 s (the turns table alone 0.22 s: DuckDB taking in and zstd-ing
+120 MB of packed arrays) plus commit/detach ~0.04 s, against pyarrow's Parquet + zstd write
+of ~0.09 s. A ratio of 0.8 leaves the store side ~0.17 s, and the turns insert alone takes
+0.22 s: out of reach with this layout on DuckDB 2.0. A 64-group claim: ~80 ms CPU (attach 2,
+SQL 11, scan 34, numpy 34, commit + detach 5), ~145 ms before session 5, when every
+transaction created a DuckDB database (~20 ms) and the numpy step made temporary copies.
 PostgreSQL: 178 MB for 2,000 trajectories (24× Parquet): TOAST compresses values one by one.
 """
 

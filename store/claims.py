@@ -58,7 +58,7 @@ def claim(
         )
         own_first = sa.case((gs.c.claimed_by == learner_id, 0), else_=1)
         pick = (
-            sa.select(gs.c.group_id)
+            sa.select(gs.c.group_id, g.c.task_id, g.c.min_policy_version)
             .join(g, g.c.group_id == gs.c.group_id)
             .where(gs.c.run_id == run_id, g.c.split == Split.TRAIN.value, eligible)
             .order_by(own_first, g.c.committed_at, g.c.group_id)
@@ -66,7 +66,8 @@ def claim(
         )
         if store.backend.skip_locked:
             pick = pick.with_for_update(skip_locked=True, of=gs)
-        ids = list(conn.execute(pick).scalars())
+        picked = conn.execute(pick).all()  # with what load_groups needs of the groups
+        ids = [r.group_id for r in picked]
         if len(ids) < n_groups:
             return None  # the stale drops above still commit: they must not block backpressure
         claim_id = new_claim_id()
@@ -81,23 +82,21 @@ def claim(
                 updated_at=now,
             )
         )
-        groups = load_groups(store, conn, ids, current)
+        groups = load_groups(store, conn, ids, current, meta={r.group_id: r for r in picked})
     return TrainBatch(
         claim_id=claim_id, groups=groups, dropped_stale=int(dropped), current_version=current
     )
 
 
-def load_groups(store, conn: sa.Connection, ids: list[str], current: int) -> tuple[TrainGroup, ...]:
-    """The groups ``ids`` (in that order) with their episodes' per-token arrays."""
-    g = T.groups
-    meta = {
-        r.group_id: r
-        for r in conn.execute(
-            sa.select(g.c.group_id, g.c.task_id, g.c.min_policy_version).where(
-                g.c.group_id.in_(ids)
-            )
-        )
-    }
+def load_groups(
+    store, conn: sa.Connection, ids: list[str], current: int, meta: dict | None = None
+) -> tuple[TrainGroup, ...]:
+    """The groups ``ids`` (in that order) with their episodes' per-token arrays; ``meta``:
+    group_id → a row with ``task_id`` and ``min_policy_version`` when the caller has them."""
+    if meta is None:
+        g = T.groups
+        q = sa.select(g.c.group_id, g.c.task_id, g.c.min_policy_version)
+        meta = {r.group_id: r for r in conn.execute(q.where(g.c.group_id.in_(ids)))}
     by_group: dict[str, list[TrainEpisode]] = {gid: [] for gid in ids}
     for gid, ep in _episodes(store, conn, group_ids=ids):
         by_group[gid].append(ep)

@@ -49,6 +49,19 @@ def test_a_user_turn_after_the_first_starts_a_segment():
     )
 
 
+def test_segments_belong_to_their_own_episode():
+    """Restarts are found for the whole batch at once and handed back per episode."""
+    groups = [_as_segments(make_group("g1", n_turns=5, tokens_per_turn=3)),
+              make_group("g2", n_turns=5, tokens_per_turn=3)]  # fmt: skip
+    turns = arrow_io.groups_to_arrow(groups, datetime.now(UTC))["turns"]
+    meta = {e.episode_id: (e.reward, e.valid) for g in groups for e in g.episodes}
+    episodes = arrow_io.train_episodes(turns.select(list(arrow_io.TRAIN_TURN_COLUMNS)), meta)
+    starts = {e.episode_id: e.segment_starts for e in episodes}
+    assert starts == {e.episode_id: (0, 6) for e in groups[0].episodes} | {
+        e.episode_id: (0,) for e in groups[1].episodes
+    }
+
+
 def test_parse_body_replaces_only_lone_surrogates():
     from collector.gateway.openai_api import parse_body
 
