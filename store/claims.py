@@ -9,11 +9,29 @@ nothing more than its cross-process file lock, which serialises every writer.
 
 from __future__ import annotations
 
+import uuid
+from datetime import UTC, datetime, timedelta
+
 import numpy as np
 import sqlalchemy as sa
 
 from store import arrow_io, leases, schema
 from store.records import Fence, GroupStatus, Split, TrainBatch, TrainEpisode, TrainGroup
+
+
+def utc_now() -> datetime:
+    """This process's clock (claims' and rows' timestamps; leases use the store's clock,
+    :func:`store.leases.store_now`)."""
+    return datetime.now(UTC)
+
+
+def new_claim_id() -> str:
+    return uuid.uuid4().hex
+
+
+def lease_deadline(lease_s: float) -> datetime:
+    return utc_now() + timedelta(seconds=lease_s)
+
 
 T = schema
 READY, CLAIMED = GroupStatus.READY.value, GroupStatus.CLAIMED.value
@@ -30,10 +48,8 @@ def claim(
     fence: Fence | None = None,
 ):
     """See :meth:`store.Store.claim_batch`; with ``fence``, only the run's leader may claim."""
-    from store.store import _now, lease_deadline, new_claim_id
-
     gs, g, pol = T.group_states, T.groups, T.policies
-    now = _now()
+    now = utc_now()
     with store._write() as conn:
         if fence is not None:
             leases.check(conn, fence, skip_locked=store.backend.skip_locked)

@@ -14,10 +14,8 @@ Every method is one short transaction (on DuckDB: lock, open, run, close — see
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -25,6 +23,7 @@ import sqlalchemy as sa
 from sandpiper.errors import DuplicateGroupError, PolicyConflictError, StoreError
 from store import leases, migrations, schema
 from store.backends import DuckDBBackend, make_backend
+from store.claims import claim, load_episodes, utc_now
 from store.records import (
     CollectorRecord,
     Fence,
@@ -43,10 +42,6 @@ from store.records import (
 )
 
 T = schema
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
 
 
 class Store:
@@ -205,7 +200,7 @@ class Store:
                     claim_id=claim_id,
                     n_groups=n_groups,
                     metrics=metrics or {},
-                    created_at=_now(),
+                    created_at=utc_now(),
                 )
             )
 
@@ -214,7 +209,7 @@ class Store:
         n = conn.execute(
             sa.update(gs)
             .where(gs.c.claim_id == claim_id, gs.c.status == GroupStatus.CLAIMED.value)
-            .values(status=GroupStatus.CONSUMED.value, consumed_by_step=step, updated_at=_now())
+            .values(status=GroupStatus.CONSUMED.value, consumed_by_step=step, updated_at=utc_now())
         ).rowcount
         if n == 0:
             raise StoreError(
@@ -408,8 +403,6 @@ class Store:
         fence: Fence | None = None,
     ) -> TrainBatch | None:
         """Claim the ``n_groups`` oldest fresh READY groups, or None if fewer are available."""
-        from store.claims import claim
-
         return claim(
             self, run_id=run_id, learner_id=learner_id, n_groups=n_groups, max_lag=max_lag,
             lease_s=lease_s, fence=fence,
@@ -428,7 +421,7 @@ class Store:
                     status=GroupStatus.READY.value,
                     claimed_by=None,
                     lease_expires_at=None,
-                    updated_at=_now(),
+                    updated_at=utc_now(),
                 )
             )
 
@@ -449,8 +442,6 @@ class Store:
         self, *, run_id: str | None, min_reward: float, limit: int | None = None
     ) -> list[TrainEpisode]:
         """Valid trainable episodes with ``reward >= min_reward``, oldest first."""
-        from store.claims import load_episodes
-
         e = T.episodes
         q = (
             sa.select(e.c.episode_id)
@@ -509,14 +500,6 @@ def _rejected_message(report: WriteReport) -> str:
         "episodes (another collector produced it); 'superseded': its task slot was re-issued "
         "after its collector's heartbeat lapsed"
     )
-
-
-def new_claim_id() -> str:
-    return uuid.uuid4().hex
-
-
-def lease_deadline(lease_s: float) -> datetime:
-    return _now() + timedelta(seconds=lease_s)
 
 
 def _policy_record(row: Any) -> PolicyRecord:
