@@ -22,11 +22,12 @@ test-unit:  ## fast tests only (no services)
 	bash scripts/setup.sh venv
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
-lint:  ## ruff check, ruff format --check, mypy
+lint:  ## ruff check, ruff format --check, mypy, import contracts (.importlinter: layers, no cycles)
 	bash scripts/setup.sh venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: setup  ## run every benchmark (each prints its ratio against a baseline from the same run)
 	@mkdir -p runs/bench

@@ -26,7 +26,7 @@ async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str |
     """Run every task once (see the module docstring); returns the number of groups stored."""
     from collector.agent import EpisodeLimits, default_toolbox_factory, run_pooled_episode
     from collector.journal import SeqJournal
-    from collector.launch import open_store
+    from collector.run_setup import open_store
     from collector.sandbox.images import ImagePools
     from collector.tasks import load_tasks
     from collector.tools import offered_schemas

@@ -20,27 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from collector.run_setup import open_store, start_run_servers
 from collector.status import CollectorMetrics
 from sandpiper.config import RunConfig
 from sandpiper.errors import ConfigError
 from store.collectors import default_host
 
 log = logging.getLogger(__name__)
-
-
-def code_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sandpiper")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 class _RecordingClient:
@@ -61,17 +52,6 @@ class _RecordingClient:
         await self.inner.reload(checkpoint_dir, version)
         for server in self.servers:
             server.record_weights(checkpoint_dir, version)
-
-
-def open_store(config: RunConfig):
-    from store import Store
-    from store.records import RunRecord
-
-    store = Store(config.store.url, lock_timeout_s=config.store.lock_timeout_s)
-    store.init()
-    run = RunRecord(config.name, json.dumps(config.model_dump(mode="json")), code_version())
-    store.ensure_run(run)
-    return store
 
 
 async def collect(
@@ -138,7 +118,7 @@ async def collect(
         if client is not None:
             inner = client
         else:
-            servers = await _start_servers(config, stack)
+            servers = await start_run_servers(config, stack)
             urls = config.inference.server_urls or [s.url for s in servers]
             inner = VLLMPolicyClient(
                 urls,
@@ -235,15 +215,3 @@ def adopt_orphan_spools(store, own: Path) -> int:
             orphan.committed_groups, spool, orphan.replayed_groups, orphan.rejected_groups,
         )  # fmt: skip
     return stored
-
-
-async def _start_servers(config: RunConfig, stack: contextlib.AsyncExitStack) -> list[Any]:
-    """The run's local servers on version 0 (none when ``inference.server_urls`` is given),
-    logging to ``inference.log_dir`` or else the run's folder."""
-    from collector.inference.server import start_servers
-
-    if config.inference.server_urls:
-        return []
-    return await start_servers(
-        config.inference, config.learner.model, stack, log_dir=config.run_dir
-    )

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sandpiper.config import RunConfig, load_config, write_resolved
+from sandpiper.version import code_version
 
 if TYPE_CHECKING:  # torch is imported late: `sandpiper --help` stays fast
     from trainer.engine import World
@@ -47,7 +48,7 @@ def _run(cfg: RunConfig, world: World) -> int:
         store = Store(cfg.store.url, lock_timeout_s=cfg.store.lock_timeout_s)
         store.init()
         store.ensure_run(
-            RunRecord(cfg.name, json.dumps(cfg.model_dump(mode="json")), _code_version())
+            RunRecord(cfg.name, json.dumps(cfg.model_dump(mode="json")), code_version())
         )
     learner = Learner(cfg, store, world)
     tracker = Tracker(
@@ -82,15 +83,6 @@ def _log_to_stderr() -> None:
 
     setup_logging()  # idempotent: the CLI's handler stays the only one
     hf_logging.disable_progress_bar()  # one bar per checkpoint save/load otherwise
-
-
-def _code_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f"sandpiper {version('sandpiper')}"
-    except PackageNotFoundError:
-        return "sandpiper (unknown)"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,13 +29,13 @@ async def serve(config: RunConfig, *, host: str, port: int, stop: asyncio.Event)
     from collector.agent import EpisodeLimits
     from collector.gateway.server import Gateway, GatewaySettings
     from collector.inference.vllm_client import VLLMPolicyClient
-    from collector.launch import _start_servers, open_store
     from collector.render import renderer_for
+    from collector.run_setup import open_store, start_run_servers
 
     tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
     renderer = renderer_for(tokenizer, config)  # the collector's: template, action format
     async with contextlib.AsyncExitStack() as stack:
-        servers = await _start_servers(config, stack)
+        servers = await start_run_servers(config, stack)
         urls = config.inference.server_urls or [s.url for s in servers]
         client = VLLMPolicyClient.from_config(config.inference, urls)
         stack.push_async_callback(client.aclose)

@@ -60,8 +60,8 @@ def register(app: typer.Typer) -> None:
         `sandbox gc` would decide for each container (live, dead, unknown, other store)."""
         import asyncio
 
-        from collector.sandbox.janitor import list_containers, verdicts
         from collector.sandbox.containers import read_registry
+        from collector.sandbox.janitor import list_containers, verdicts
 
         cfg = resolve_config(config, ctx)
         with cli_errors():

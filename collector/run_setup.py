@@ -1,0 +1,36 @@
+"""What every process of a run sets up the same way on a collector host (``sandpiper
+collect``, ``sandpiper gateway``, ``sandpiper eval``): the run's store and its local vLLM
+servers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+from sandpiper.config import RunConfig
+from sandpiper.version import code_version
+
+
+def open_store(config: RunConfig) -> Any:
+    """The run's store, initialised, with this run registered (its config and code version)."""
+    from store import Store
+    from store.records import RunRecord
+
+    store = Store(config.store.url, lock_timeout_s=config.store.lock_timeout_s)
+    store.init()
+    run = RunRecord(config.name, json.dumps(config.model_dump(mode="json")), code_version())
+    store.ensure_run(run)
+    return store
+
+
+async def start_run_servers(config: RunConfig, stack: contextlib.AsyncExitStack) -> list[Any]:
+    """The run's local servers on version 0 (none when ``inference.server_urls`` is given),
+    logging to ``inference.log_dir`` or else the run's folder."""
+    from collector.inference.server import start_servers
+
+    if config.inference.server_urls:
+        return []
+    return await start_servers(
+        config.inference, config.learner.model, stack, log_dir=config.run_dir
+    )
