@@ -25,6 +25,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 """A JSON escape of a surrogate code point (a pair, or a lone one to replace)."""
@@ -73,7 +75,18 @@ class APIError(Exception):
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """JSON object of a request; lone surrogates (invalid in UTF-8) become U+FFFD."""
+    """JSON object of a request; lone surrogates (invalid in UTF-8) become U+FFFD.
+
+    orjson parses an agent's whole history several times faster than the json module; what
+    it refuses (lone surrogates, NaN, integers past 64 bits, invalid JSON) takes the json
+    module's path, which accepts or reports it as before."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    else:
+        if isinstance(body, dict):
+            return body  # orjson holds no surrogate: it refuses lone ones
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -86,6 +99,18 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     if _SURROGATE.search(text):
         body = json.loads(_SURROGATE.sub("\ufffd", text))
     return body
+
+
+def encode_json(payload: Any) -> bytes:
+    """A response body: the bytes Starlette's ``JSONResponse`` sends (compact, UTF-8) for the
+    str/int/bool/None payloads of a completion, made by orjson (the json module's path for
+    what orjson refuses, e.g. a lone surrogate, which fails there as before)."""
+    try:
+        return orjson.dumps(payload)
+    except TypeError:
+        return json.dumps(
+            payload, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+        ).encode("utf-8")
 
 
 def check_common(body: Mapping[str, Any], model_names: Sequence[str]) -> None:

@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import orjson
+
 from collector.inference.base import Generation
 from collector.parsers import ParsedToolCall
-from collector.render import ChatRenderer
+from collector.render import ChatRenderer, canonical_json, tools_key
 from store.records import StopReason
 
 
@@ -113,13 +115,17 @@ def _content(message: Mapping[str, Any]) -> str:
 def _arguments(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
+            return orjson.loads(arguments)  # every call compares the whole history: fast path
+        except orjson.JSONDecodeError:
+            pass  # NaN, huge integers, lone surrogates: what json accepts, as before
+        try:
             return json.loads(arguments)
         except json.JSONDecodeError:
             return arguments
     return arguments if arguments is not None else {}
 
 
-_FRESH_CACHE: OrderedDict[tuple[int, str], list[int]] = OrderedDict()
+_FRESH_CACHE: OrderedDict[tuple[int, bytes], list[int]] = OrderedDict()
 _FRESH_CACHE_SIZE = 256
 
 
@@ -127,11 +133,17 @@ def _fresh_ids(
     renderer: ChatRenderer,
     messages: list[dict[str, Any]],
     tools: Sequence[Mapping[str, Any]],
-    tools_key: str,
+    tools_key: bytes,
+    *,
+    cached: bool = True,
 ) -> list[int]:
     """Token ids of ``messages`` rendered from scratch; the episodes of a GRPO group open
-    with the same messages, so first calls are served from a small LRU cache."""
-    key = (id(renderer), tools_key + json.dumps(messages, sort_keys=True, default=str))
+    with the same messages, so first calls are served from a small LRU cache. The
+    re-tokenization checks (``cached=False``) render histories no other call sends again:
+    kept, they would push the first calls out."""
+    if not cached:
+        return renderer.encode(renderer.render(messages, add_generation_prompt=True, tools=tools))
+    key = (id(renderer), tools_key + canonical_json(messages))
     ids = _FRESH_CACHE.get(key)
     if ids is None:
         ids = renderer.encode(renderer.render(messages, add_generation_prompt=True, tools=tools))
@@ -160,7 +172,7 @@ class EpisodeSession:
         self._context: list[int] = []
         """Prompt ids + sampled ids of the last call."""
         self._ended_with_eos = True
-        self._tools_key: str | None = None
+        self._tools_key: bytes | None = None
         self.max_calls: int | None = None
         """Model calls allowed (the run's ``max_turns``); None = unlimited."""
         self.max_completion_tokens: int | None = None
@@ -216,11 +228,11 @@ class EpisodeSession:
         whether that differs from the splice; the server runs it after replying
         (:meth:`check_later`), so it adds no latency."""
         templ = [template_message(m) for m in messages]
-        tools_key = json.dumps(list(tools), sort_keys=True)
-        reason = self._why_not_extending(messages, tools_key)
-        self._tools_key = tools_key
+        key = tools_key(tools)
+        reason = self._why_not_extending(messages, key)
+        self._tools_key = key
         if reason is not None:
-            fresh = _fresh_ids(self.renderer, templ, tools, tools_key)
+            fresh = _fresh_ids(self.renderer, templ, tools, key)
             return fresh, False, [], (None if not self.calls else reason), None
         assert self._history is not None
         new = templ[len(self._history) :]
@@ -228,12 +240,12 @@ class EpisodeSession:
         prompt = [*self._context, *delta]
 
         def differs() -> bool:
-            return prompt != _fresh_ids(self.renderer, templ, tools, tools_key)
+            return prompt != _fresh_ids(self.renderer, templ, tools, key, cached=False)
 
         return prompt, True, delta, None, differs
 
     def _why_not_extending(
-        self, messages: Sequence[Mapping[str, Any]], tools_key: str
+        self, messages: Sequence[Mapping[str, Any]], tools_key: bytes
     ) -> str | None:
         if self._history is None:
             return "first call" if not self.calls else "previous call was not a chat call"
