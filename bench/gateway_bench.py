@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -58,6 +59,9 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+_RUNS = itertools.count()
+"""Each agent run's tasks are its own: a prompt seen by an earlier run would be served from
+the gateway's first-call cache, and the bench would measure a cache instead of the work."""
 
 
 class StubClient:
@@ -87,7 +91,7 @@ async def _agent_episode(http, args: argparse.Namespace, i: int) -> list[tuple[f
     url, eid = opened["base_url"], opened["episode_id"]
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are an agent in a Linux sandbox."},
-        {"role": "user", "content": f"Task {i}: list the files in /workspace."},
+        {"role": "user", "content": f"Task {i} of {args.tag}: list the files in /workspace."},
     ]
     pairs = []
     for turn in range(args.turns):
@@ -187,7 +191,7 @@ async def measure(
         sys.executable, str(Path(__file__).resolve()), "--agent",
         "--gateway", gateway.url, "--control", f"http://{host}:{port}",
         "--concurrency", str(concurrency), "--episodes", str(episodes),
-        "--turns", str(args.turns),
+        "--turns", str(args.turns), "--tag", f"run {next(_RUNS)}",
     ]  # fmt: skip
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -250,7 +254,7 @@ async def call_path_cpu(renderer, args, episodes: int) -> dict[str, float]:
         gateway.open_episode(eid)
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": "You are an agent in a Linux sandbox."},
-            {"role": "user", "content": f"Task {i}: list the files in /workspace."},
+            {"role": "user", "content": f"Task {i} (call path): list the files in /workspace."},
         ]
         for turn in range(args.turns):
             body = json.dumps({"model": "policy", "messages": messages, "tools": tools}).encode()
@@ -364,6 +368,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gateway", help=argparse.SUPPRESS)
     p.add_argument("--control", help=argparse.SUPPRESS)
     p.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--tag", default="", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
