@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import orjson
-
+from collector.gateway.openai_api import fast_loads
 from collector.inference.base import Generation
 from collector.parsers import ParsedToolCall
 from collector.render import ChatRenderer, canonical_json, tools_key
@@ -114,11 +113,10 @@ def _content(message: Mapping[str, Any]) -> str:
 
 def _arguments(arguments: Any) -> Any:
     if isinstance(arguments, str):
-        try:
-            return orjson.loads(arguments)  # every call compares the whole history: fast path
-        except orjson.JSONDecodeError:
-            pass  # NaN, huge integers, lone surrogates: what json accepts, as before
-        try:
+        parsed = fast_loads(arguments)  # every call compares the whole history: fast path
+        if parsed is not None:
+            return parsed
+        try:  # what orjson refuses or may change (NaN, huge integers, lone surrogates)
             return json.loads(arguments)
         except json.JSONDecodeError:
             return arguments
