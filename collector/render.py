@@ -197,8 +197,10 @@ def canonical_json(value: Any) -> bytes:
 
 
 PIECE_CACHE_CHARS = 2_000_000
-"""Characters of text pieces whose ids a renderer's :class:`_PieceEncoder` keeps (least
-recently used first out; ids and entries take several times the text's size)."""
+"""Characters of text pieces whose ids a renderer's :class:`_PieceEncoder` keeps, least
+recently used out first: room for the system prompts and tool schemas of a run and the tool
+results of its open episodes (for their close-time checks). At 3–4 characters a token and
+~36 bytes a kept id (a tuple slot and an int object), up to ~20–25 MB per renderer."""
 
 
 class _PieceEncoder:
