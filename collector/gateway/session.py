@@ -167,6 +167,10 @@ class EpisodeSession:
         self.calls: list[GatewayCall] = []
         self._history: list[dict[str, Any]] | None = None
         """Normalised messages of the last chat call plus the assistant message returned."""
+        self._sent: Sequence[Mapping[str, Any]] = ()
+        """The last chat call's messages as the agent sent them: a message equal to its
+        counterpart there needs no normalising to be compared (agents resend their history
+        unchanged, so a call normalises only its new messages, not the whole history)."""
         self._context: list[int] = []
         """Prompt ids + sampled ids of the last call."""
         self._ended_with_eos = True
@@ -226,19 +230,20 @@ class EpisodeSession:
         ``check`` (None unless the call extends) renders the messages from scratch and says
         whether that differs from the splice; the server runs it after replying
         (:meth:`check_later`), so it adds no latency."""
-        templ = [template_message(m) for m in messages]
         key = tools_key(tools)
         reason = self._why_not_extending(messages, key)
         self._tools_key = key
         if reason is not None:
+            templ = [template_message(m) for m in messages]
             fresh = _fresh_ids(self.renderer, templ, tools, key)
             return fresh, False, [], (None if not self.calls else reason), None
         assert self._history is not None
-        new = templ[len(self._history) :]
+        new = [template_message(m) for m in messages[len(self._history) :]]
         delta = self.renderer.tool_delta_ids(new, ended_with_eos=self._ended_with_eos, tools=tools)
         prompt = [*self._context, *delta]
 
-        def differs() -> bool:
+        def differs() -> bool:  # at episode close: the whole history's template form then
+            templ = [template_message(m) for m in messages]
             return prompt != _fresh_ids(self.renderer, templ, tools, key, cached=False)
 
         return prompt, True, delta, None, differs
@@ -253,8 +258,9 @@ class EpisodeSession:
         n = len(self._history)
         if len(messages) <= n:
             return "the history is not longer than the previous call's"
+        sent = self._sent
         for i, (want, got) in enumerate(zip(self._history, messages, strict=False)):
-            if normalise(got) != want:
+            if (i >= len(sent) or got != sent[i]) and normalise(got) != want:
                 return f"message {i} differs from what the model saw"
         if any(m.get("role") == "assistant" for m in messages[n:]):
             return "the new messages include an assistant message the model did not sample"
@@ -301,9 +307,13 @@ class EpisodeSession:
         self._context = [*prompt_ids, *sampled]
         self._ended_with_eos = bool(sampled) and sampled[-1] in self.renderer.stop_token_ids
         if messages is None or returned is None or generation.finish_reason == "length":
-            self._history = None  # a truncated turn cannot be continued token-exactly
+            self._history, self._sent = None, ()  # a truncated turn cannot be continued exactly
         else:
-            self._history = [normalise(m) for m in messages] + [normalise(returned)]
+            # an extending call's messages start with the history (compared equal just now)
+            kept = self._history if extends and self._history is not None else []
+            fresh = [normalise(m) for m in messages[len(kept) :]]
+            self._history = [*kept, *fresh, normalise(returned)]
+            self._sent = messages
         return call
 
     def _attach_tool_outputs(self, messages: Sequence[Mapping[str, Any]]) -> None:
