@@ -33,9 +33,16 @@ rendering of turn ``k`` is a token prefix of the rendering of turn ``k + 1``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from collector.parsers import ToolFormat, format_observation
 from sandpiper.errors import ConfigError, InferenceError
@@ -74,13 +81,16 @@ class ChatRenderer:
         """Token ids that end an assistant turn (sent as stop tokens to the server)."""
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
         self._probe = probe
+        self._pieces = _PieceEncoder.for_tokenizer(tokenizer)
         self._probe_text = self.render(probe, add_generation_prompt=False)
         tail = self._probe_text[self._probe_text.rindex(_PROBE) + len(_PROBE) :]
         cut = tail.find(self.eos_text)
         # Text the template adds after the end-of-turn token the model sampled ("\n").
         self._after_eos = tail[cut + len(self.eos_text) :] if cut >= 0 else tail
         self._after_content = tail
-        self._probe_cache: dict[str, str] = {}
+        self._probe_cache: dict[bytes, str] = {}
+        if self._pieces is not None and not self._pieces.agrees(self._self_check_texts()):
+            self._pieces = None
 
     def render(
         self,
@@ -104,7 +114,30 @@ class ChatRenderer:
         )
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS added): the tokenizer's own ids, through a
+        cache of the pieces between added tokens when that is exact (:class:`_PieceEncoder`)."""
+        if self._pieces is not None:
+            return self._pieces.encode(text)
+        return self._encode_whole(text)
+
+    def _encode_whole(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _self_check_texts(self) -> list[str]:
+        """Renders of this template to compare piece-wise and whole encoding on: a whole
+        conversation with the renderer's tools, a tool call and a tool result."""
+        call = {"type": "function", "id": "call_0_0",
+                "function": {"name": "probe", "arguments": {"x": " é\u0301 1"}}}  # fmt: skip
+        conversation: list[dict[str, Any]] = [
+            {"role": "system", "content": " System  text.\n"},
+            {"role": "user", "content": "Ünïcode\u0301 x  \n\n y"},
+            {"role": "assistant", "content": " ok\n", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0_0", "content": "\n out \n"},
+        ]
+        texts = [self._probe_text]
+        with contextlib.suppress(Exception):  # a template refusing this shape: the probe decides
+            texts.append(self.render(conversation, add_generation_prompt=True))
+        return texts
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
@@ -135,9 +168,7 @@ class ChatRenderer:
     def _probe_with(self, tools: Sequence[Mapping[str, Any]]) -> str:
         """The probe conversation's text with other tools (cached: the gateway renders a
         delta on every call of an episode with the same tools)."""
-        import json
-
-        key = json.dumps(list(tools), sort_keys=True)
+        key = tools_key(tools)
         if key not in self._probe_cache:
             if len(self._probe_cache) > 64:
                 self._probe_cache.clear()
@@ -148,6 +179,132 @@ class ChatRenderer:
 
     def strip_eos(self, text: str) -> str:
         return text.removesuffix(self.eos_text)
+
+
+def tools_key(tools: Iterable[Mapping[str, Any]]) -> bytes:
+    """A canonical JSON form of tool schemas (to tell whether two requests' tools differ)."""
+    return canonical_json(list(tools))
+
+
+def canonical_json(value: Any) -> bytes:
+    """``value`` as JSON with sorted keys (objects that JSON cannot hold as ``str()``): an
+    equality key. orjson is ~10x faster than the json module; what it cannot encode (an
+    integer past 64 bits) falls back to json."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS, default=str)
+    except TypeError:
+        return json.dumps(value, sort_keys=True, default=str).encode()
+
+
+PIECE_CACHE_CHARS = 2_000_000
+"""Characters of text pieces whose ids a renderer's :class:`_PieceEncoder` keeps, least
+recently used out first: room for the system prompts and tool schemas of a run and the tool
+results of its open episodes (for their close-time checks). At 3–4 characters a token and
+~36 bytes a kept id (a tuple slot and an int object), up to ~20–25 MB per renderer."""
+
+
+class _PieceEncoder:
+    """Encodes a text as the ids of its pieces between added tokens, each piece's ids cached.
+
+    Why: every episode of a run opens with the same system prompt and tool schemas, and every
+    call of an episode appends the same template text around its tool results, so most of
+    what the gateway encodes has been encoded before (a first prompt of the tiny model took
+    ~0.6 ms to encode, most of a call's CPU). At episode close the from-scratch re-render of
+    the whole history (the re-tokenization check) finds its tool results and template text
+    cached as well.
+
+    Why it is exact: a fast (Rust) tokenizer first cuts the text at its added tokens
+    (``<|im_start|>``, ``<tool_call>``, ...), then normalizes, pre-tokenizes and encodes each
+    piece on its own, so the ids of a text are its pieces' ids in order. That fails when an
+    added token eats neighbouring whitespace (``lstrip``/``rstrip``/``single_word``), when
+    added tokens are not split out (``split_special_tokens``), when the pre-tokenizer treats
+    the start of a text differently from the start of a piece (``Metaspace`` with
+    ``prepend_scheme: first``), or for a tokenizer that is not a fast one:
+    :meth:`for_tokenizer` returns None then. Pieces are cut where the tokenizer cuts them
+    (the leftmost, longest added token), and the renderer compares both ways on renders of
+    its own template before using it (:meth:`agrees`); ``tests/unit/test_render_pieces.py``
+    compares them on the shipped templates and tokenizers.
+    """
+
+    def __init__(self, tokenizer: Any, tokens: dict[str, int]) -> None:
+        self.tokenizer = tokenizer
+        self.tokens = tokens
+        alternatives = sorted(tokens, key=len, reverse=True)  # longest first: leftmost-longest
+        self.split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")").split
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cache_chars = 0
+        self._lock = threading.Lock()
+        """The re-tokenization checks run in a worker thread while the event loop encodes."""
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> _PieceEncoder | None:
+        """The encoder, or None when piece-wise encoding may differ (see the class doc)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        added = getattr(tokenizer, "added_tokens_decoder", None)
+        if backend is None or not isinstance(added, dict) or not added:
+            return None
+        if getattr(tokenizer, "split_special_tokens", False):
+            return None
+        tokens: dict[str, int] = {}
+        for token_id, token in added.items():
+            if token.lstrip or token.rstrip or token.single_word:
+                return None
+            if not token.normalized:  # normalized ones are matched inside a piece
+                tokens[str(token.content)] = int(token_id)
+        try:
+            config = json.loads(backend.to_str())
+        except (ValueError, AttributeError):
+            return None
+        if not tokens or _has_first_only_prefix(config.get("pre_tokenizer")):
+            return None
+        return cls(tokenizer, tokens)
+
+    def agrees(self, texts: Iterable[str]) -> bool:
+        """Whether piece-wise encoding gives the tokenizer's own ids on ``texts``."""
+        return all(
+            self.encode(t, keep=False) == list(self.tokenizer.encode(t, add_special_tokens=False))
+            for t in texts
+        )
+
+    def encode(self, text: str, *, keep: bool = True) -> list[int]:
+        ids: list[int] = []
+        for i, piece in enumerate(self.split(text)):
+            if i % 2:  # the split's odd items are the added tokens it cut at
+                ids.append(self.tokens[piece])
+            elif piece:
+                ids.extend(self._piece(piece, keep))
+        return ids
+
+    def _piece(self, piece: str, keep: bool) -> tuple[int, ...]:
+        cache = self._cache
+        with self._lock:
+            ids = cache.get(piece)
+            if ids is not None:
+                cache.move_to_end(piece)
+                return ids
+        ids = tuple(self.tokenizer.encode(piece, add_special_tokens=False))
+        if not keep or len(piece) > PIECE_CACHE_CHARS // 4:
+            return ids
+        with self._lock:
+            if piece not in cache:
+                cache[piece] = ids
+                self._cache_chars += len(piece)
+            while self._cache_chars > PIECE_CACHE_CHARS:
+                old, _ = cache.popitem(last=False)
+                self._cache_chars -= len(old)
+        return ids
+
+
+def _has_first_only_prefix(pre_tokenizer: Any) -> bool:
+    """A pre-tokenizer (or one in a sequence) that adds a prefix only at a text's start."""
+    if isinstance(pre_tokenizer, dict):
+        scheme = pre_tokenizer.get("prepend_scheme")  # absent in old files: check to be safe
+        if pre_tokenizer.get("type") == "Metaspace" and scheme not in ("always", "never"):
+            return True
+        return any(_has_first_only_prefix(v) for v in pre_tokenizer.values())
+    if isinstance(pre_tokenizer, list):
+        return any(_has_first_only_prefix(v) for v in pre_tokenizer)
+    return False
 
 
 def _as_user_turn(tool_messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

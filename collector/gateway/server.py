@@ -251,7 +251,7 @@ class Gateway:
         if body.get("stream"):
             assert chat or payload["object"] == "text_completion"
             return StreamingResponse(_sse(payload, body, chat), media_type="text/event-stream")
-        return JSONResponse(payload)
+        return Response(api.encode_json(payload), media_type="application/json")
 
     async def _chat_call(self, session: EpisodeSession, body: dict[str, Any]) -> dict[str, Any]:
         messages = api.check_messages(body)

@@ -123,6 +123,16 @@ def test_rewritten_history_starts_a_new_segment(tiny_tokenizer):
 
     session, renderer = _run(main())
     assert session.calls[1].restart_reason == "message 1 differs from what the model saw"
+    # both prompts are the tokenizer's own ids of the template's text (the renderer's piece
+    # cache, filled by the first call, serves the rewritten history exactly as well)
+    rewritten = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "(summary)"},
+        {"role": "user", "content": "go on"},
+    ]
+    for call, messages in zip(session.calls, [rewritten[:1], rewritten], strict=True):
+        text = renderer.render(messages, add_generation_prompt=True, tools=[])
+        assert list(call.prompt_ids) == tiny_tokenizer.encode(text, add_special_tokens=False)
     turns, stats = assemble(session.calls, renderer.decode)
     assert [t.role for t in turns] == [Role.USER, Role.ASSISTANT, Role.USER, Role.ASSISTANT]
     assert stats.segments == 2

@@ -68,3 +68,32 @@ def test_parse_body_replaces_only_lone_surrogates():
     assert parse_body(b'{"a": "\\ud800x", "b": "\\uDFFF"}') == {"a": "\ufffdx", "b": "\ufffd"}
     assert parse_body(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}  # a pair is a character
     assert parse_body('{"a": "é 😀"}'.encode()) == {"a": "é 😀"}
+
+
+def test_parse_body_accepts_what_the_json_module_accepts():
+    """orjson parses most bodies; what it refuses takes the json module's path, unchanged."""
+    import math
+
+    import pytest
+
+    from collector.gateway.openai_api import APIError, parse_body
+
+    assert math.isnan(parse_body(b'{"t": NaN}')["t"])
+    assert parse_body(b'{"n": 123456789012345678901234567890}') == {
+        "n": 123456789012345678901234567890
+    }
+    assert parse_body('{"a": 1}'.encode("utf-16")) == {"a": 1}
+    assert parse_body(b'{"a": 1, "a": 2}') == {"a": 2}
+    with pytest.raises(APIError, match="not valid JSON: Expecting property name"):
+        parse_body(b"{bad")
+    with pytest.raises(APIError, match="must be a JSON object"):
+        parse_body(b"[1]")
+
+
+def test_response_bytes_are_starlettes():
+    from starlette.responses import JSONResponse
+
+    from collector.gateway.openai_api import encode_json
+
+    payload = {"content": 'é 😀 "q" \\ \n\u2028', "n": [1, None, True], "o": {"k": ""}}
+    assert encode_json(payload) == JSONResponse(payload).body
