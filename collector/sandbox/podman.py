@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, GradeResult
+from collector.sandbox.uids import UIDMAP_SIZE
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError, SandboxLostError
 
@@ -52,7 +53,6 @@ LABEL_PREFIX = "sandpiper."
 WATCHDOG_GRACE_S = 5.0
 """Host-side slack after a command's deadline before the shell is presumed hung."""
 START_TIMEOUT_S = 60.0
-UIDMAP_SIZE = 65536
 IPC_SYSCTLS = {
     "kernel.shm_rmid_forced": 1,  # a segment goes with the last process attached to it
     "kernel.shmall": 4096,  # pages: 16 MiB of SysV shared memory in all
