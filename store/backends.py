@@ -157,6 +157,9 @@ class DuckDBBackend:
     def prepare(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
+    def lock_schema(self, conn: sa.Connection) -> None:
+        """Nothing to do: the file lock already serialises every writer."""
+
     @contextmanager
     def write(self) -> Iterator[sa.Connection]:
         """Lock, open read-write, one transaction, close."""
@@ -218,6 +221,9 @@ _ALIAS = "store"
 """The attached file's catalog name (``USE store``: SQL names its tables unqualified)."""
 
 
+SCHEMA_LOCK_KEY = 0x53414E44  # "SAND": PostgreSQL advisory lock key of schema changes
+
+
 class PostgresBackend:
     """A pooled engine; COPY for bulk rows; SKIP LOCKED claims."""
 
@@ -234,6 +240,13 @@ class PostgresBackend:
 
     def prepare(self) -> None:
         pass
+
+    def lock_schema(self, conn: sa.Connection) -> None:
+        """Serialise schema creation and migrations between processes for the rest of
+        ``conn``'s transaction (a transaction-level advisory lock). Two collectors starting
+        at once on a fresh database would otherwise both see version 0 and both run the
+        ``CREATE TABLE``s; the second waits here, then finds the schema made."""
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
 
     @contextmanager
     def write(self) -> Iterator[sa.Connection]:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
 from sandpiper.errors import DuplicateGroupError, PolicyConflictError, StoreError
 from store import leases, migrations, schema
@@ -66,6 +67,7 @@ class Store:
         """Create the schema if the store has none (idempotent); refuses other versions."""
         self.backend.prepare()
         with self.backend.write() as conn:
+            self.backend.lock_schema(conn)
             version = migrations.read_version(conn)
             if version == 0:
                 migrations.apply(conn)
@@ -77,6 +79,7 @@ class Store:
         """Apply pending migrations in one transaction; returns the versions applied."""
         self.backend.prepare()
         with self.backend.write() as conn:
+            self.backend.lock_schema(conn)
             applied = migrations.apply(conn)
         self._checked = True
         return applied
@@ -117,17 +120,20 @@ class Store:
     # ---- runs, tasks, policies ---------------------------------------------------------
 
     def ensure_run(self, run: RunRecord) -> None:
+        """Register the run unless it exists (the first process's record stays). One
+        ``INSERT … ON CONFLICT DO NOTHING``: a check-then-insert raced between collectors
+        starting at once on PostgreSQL and one died with a unique violation."""
         with self._write() as conn:
-            exists = conn.execute(sa.select(T.runs.c.run_id).where(T.runs.c.run_id == run.run_id))
-            if exists.one_or_none() is None:
-                conn.execute(
-                    sa.insert(T.runs).values(
-                        run_id=run.run_id,
-                        config_json=_json_value(run.config_json),
-                        code_version=run.code_version,
-                        created_at=run.created_at,
-                    )
+            conn.execute(
+                postgresql.insert(T.runs)
+                .values(
+                    run_id=run.run_id,
+                    config_json=_json_value(run.config_json),
+                    code_version=run.code_version,
+                    created_at=run.created_at,
                 )
+                .on_conflict_do_nothing(index_elements=[T.runs.c.run_id])
+            )
 
     def upsert_tasks(self, tasks: Iterable[TaskRecord]) -> None:
         """Insert or replace tasks by ``task_id``."""
@@ -145,11 +151,15 @@ class Store:
         ]
         if not rows:
             return
+        # One upsert, not delete-then-insert: two collectors starting at once on PostgreSQL
+        # both deleted, then the second insert hit the first one's rows.
+        insert = postgresql.insert(T.tasks)
+        upsert = insert.on_conflict_do_update(
+            index_elements=[T.tasks.c.task_id],
+            set_={c.name: insert.excluded[c.name] for c in T.tasks.c if c.name != "task_id"},
+        )
         with self._write() as conn:
-            ids = [r["task_id"] for r in rows]
-            for i in range(0, len(ids), 1000):
-                conn.execute(sa.delete(T.tasks).where(T.tasks.c.task_id.in_(ids[i : i + 1000])))
-            conn.execute(sa.insert(T.tasks), rows)
+            conn.execute(upsert, rows)
 
     def register_policy(
         self,

@@ -134,6 +134,47 @@ def test_concurrent_claims_never_share_a_slot(store_url, store):  # noqa: F811
     assert set(ids) == {f"run/{t}/{s}" for t, _ in TASKS for s in range(20)}
 
 
+def test_collectors_starting_at_once_register_the_run_and_tasks_without_a_conflict(
+    store_url,  # noqa: F811
+):
+    """Every collector (and learner) starting on a run creates the schema if there is none,
+    registers the run and upserts the tasks. Two starting at the same moment on PostgreSQL
+    once raced a check-then-insert and a delete-then-insert: one died with UniqueViolation
+    on ``runs_pkey`` (seen in CI); on a fresh database both ran the CREATE TABLEs."""
+    from store.records import Split, TaskRecord
+
+    tasks = [TaskRecord(f"t{i}", "src", "jsonl_math", f"q{i}", {"answer": str(i)}, None,
+                        Split.TRAIN) for i in range(50)]  # fmt: skip
+    errors: list[BaseException] = []
+    for round_ in range(3):
+        start = threading.Barrier(6)
+
+        def collector(run_id: str = f"run-{round_}", start: threading.Barrier = start) -> None:
+            own = Store(store_url, lock_timeout_s=60)
+            try:
+                start.wait(timeout=60)
+                own.init()  # the first round on a database without a schema
+                own.ensure_run(RunRecord(run_id, "{}", "test"))
+                own.upsert_tasks(tasks)
+            except BaseException as e:  # reported below
+                errors.append(e)
+            finally:
+                own.close()
+
+        threads = [threading.Thread(target=collector) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors
+    check = Store(store_url)
+    with check.connect_readonly() as conn:
+        runs = conn.execute(sa.text("SELECT count(*) FROM runs")).scalar()
+        stored = conn.execute(sa.text("SELECT count(*) FROM tasks")).scalar()
+    check.close()
+    assert (runs, stored) == (3, 50)
+
+
 def test_a_version_1_store_migrates(store):
     # groups of the journal era: their seqs must not be issued again
     store.write_groups([make_group(f"run/t0/{i}", task_id="t0") for i in range(2)])
