@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import tarfile
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -64,6 +65,19 @@ MAX_FRAME_BYTES = 512 * 1024 * 1024
 """Largest reply payload accepted from a shell (a file read or a tar of a folder)."""
 
 
+def podman_cwd() -> str:
+    """The working directory of every podman client this module starts.
+
+    conmon 2.1 (Debian 12's, under podman 4.3) writes an empty ``oom`` marker into ITS
+    working directory when a process of a ``podman exec`` session is OOM-killed, and it
+    inherits the client's: an agent's memory hog left ``oom`` in whatever folder the
+    collector (or ``sandpiper sandbox check``, or pytest) was started from — the user's
+    checkout. This private folder takes it instead."""
+    path = Path(tempfile.gettempdir()) / "sandpiper-podman"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return str(path)
+
+
 async def run_podman(*args: str, stdin: bytes | None = None, timeout_s: float = 120.0) -> bytes:
     """Run one podman CLI call; raise :class:`SandboxError` with its stderr on failure."""
     proc = await asyncio.create_subprocess_exec(
@@ -72,6 +86,7 @@ async def run_podman(*args: str, stdin: bytes | None = None, timeout_s: float = 
         stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        cwd=podman_cwd(),
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
@@ -204,7 +219,7 @@ def container_argv(
         f"--cpus={config.cpus}",
         f"--pids-limit={config.pids_limit}",
         "--volume",
-        f"{config.catatonit_path}:{CATATONIT}:ro",
+        f"{os.path.abspath(config.catatonit_path)}:{CATATONIT}:ro",  # podman runs elsewhere
         "--volume",
         f"{SUPERVISOR_HOST_PATH}:{SUPERVISOR}:ro",
         "--volume",
@@ -287,6 +302,7 @@ class PodmanSandbox:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
             limit=1 << 20,
+            cwd=podman_cwd(),  # conmon's OOM marker lands there, not in the user's folder
         )
         try:
             assert self._shell.stdout is not None

@@ -187,10 +187,15 @@ def test_gc_judges_by_store_heartbeats_not_pids(sandbox_config, sandbox_image, t
     store.close()
 
 
-def test_check_command_proves_every_limit(sandbox_image):
+def test_check_command_proves_every_limit(sandbox_image, tmp_path):
+    """Run from an empty folder, which it must leave empty: conmon wrote an ``oom`` marker
+    into the podman client's working directory when the memory check's hog was killed."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run([sys.executable, "-m", "sandpiper.cli", "sandbox", "check"],
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert list(tmp_path.iterdir()) == [], "sandbox check left files in its working directory"
     for name in ["user_namespace", "network_none", "capabilities_dropped", "read_only_root",
                  "workspace_size", "memory_limit", "pids_limit", "cpu_limit",
                  "init_survives_kill_all"]:  # fmt: skip
