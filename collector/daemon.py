@@ -90,7 +90,7 @@ class TokenBudgetClient:
         return self.inner.policy_version
 
     async def reload(self, checkpoint_dir: str, version: int) -> None:
-        await self.inner.reload(checkpoint_dir, version)  # type: ignore[attr-defined]
+        await self.inner.reload(checkpoint_dir, version)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         need = min(len(prompt_ids) + params.max_tokens, self.limit)
@@ -419,7 +419,7 @@ class Collector:
             # announce first, so that checkpoint retention keeps the folder while we read it
             await self._heartbeat(policy_version=latest.version)
             log.info("hot-loading policy v%d from %s", latest.version, latest.checkpoint_uri)
-            await self.client.reload(latest.checkpoint_uri, latest.version)  # type: ignore[attr-defined]
+            await self.client.reload(latest.checkpoint_uri, latest.version)
             self.metrics.reloads += 1
         self._refresh_metrics()
         self._wake.set()

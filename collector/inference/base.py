@@ -45,3 +45,7 @@ class PolicyClient(Protocol):
     def policy_version(self) -> int:
         """Version the servers are serving now."""
         ...
+
+    async def reload(self, checkpoint_dir: str, version: int) -> None:
+        """Serve the weights in ``checkpoint_dir`` as ``version`` from now on (hot-load)."""
+        ...
