@@ -60,6 +60,21 @@ class Proc:
             time.sleep(0.05)
 
 
+_STARTED: list[subprocess.Popen] = []
+"""Every collector process a test started, killed after the test whatever its outcome."""
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+    """A failed assertion must not leave a collector running (one outlived CI for hours)."""
+    yield
+    while _STARTED:
+        popen = _STARTED.pop()
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait(timeout=30)
+
+
 def _start(url: str, tmp_path: Path, host: str, **opts) -> Proc:
     argv = [sys.executable, "-m", "tests.fixtures._collector_proc", "--url", url, "--run", "run",
             "--host", host, "--spool", str(tmp_path / f"spool-{host}"), "--ttl-s", str(TTL_S), "--heartbeat-s", "1.0"]  # fmt: skip
@@ -67,6 +82,7 @@ def _start(url: str, tmp_path: Path, host: str, **opts) -> Proc:
         argv += [f"--{key.replace('_', '-')}", str(value)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     popen = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    _STARTED.append(popen)
     proc = Proc(popen)
 
     def read() -> None:
