@@ -51,7 +51,7 @@ from collector.parsers import (
     system_prompt_for,
 )
 from collector.policy import Policy, PolicyLimits, PolicySession, Stopped
-from collector.sandbox.base import ExecOutcome, Sandbox
+from collector.sandbox.base import ExecOutcome, ToolSandbox
 from collector.scoring import score_answer
 from collector.tasks import DEFAULT_TESTS_DEST, Task
 from collector.tools.base import ToolResult
@@ -83,7 +83,7 @@ class ToolRunner(Protocol):
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult: ...
 
 
-ToolboxFactory = Callable[[Sandbox, Task], ToolRunner]
+ToolboxFactory = Callable[[ToolSandbox, Task], ToolRunner]
 EpisodeFn = Callable[..., Awaitable[EpisodeRecord]]
 """Runs one episode in a sandbox it is given (keywords: episode_id, sample_index, task,
 sandbox, toolbox, limits)."""
@@ -160,7 +160,7 @@ class _State:
 def default_toolbox_factory(
     *, exec_timeout_s: float, test_timeout_s: float
 ) -> ToolboxFactory:  # pragma: no cover - thin wiring around the tools package
-    def make(sandbox: Sandbox, task: Task) -> ToolRunner:
+    def make(sandbox: ToolSandbox, task: Task) -> ToolRunner:
         from collector.tools import Toolbox
 
         return Toolbox(
@@ -180,7 +180,7 @@ def default_toolbox_factory(
     return make
 
 
-async def prepare_sandbox(sandbox: Sandbox, task: Task, *, timeout_s: float = 300.0) -> None:
+async def prepare_sandbox(sandbox: ToolSandbox, task: Task, *, timeout_s: float = 300.0) -> None:
     """Copy the task's seed files to their destination and run its setup script there."""
     if task.files_dir is not None:
         await sandbox.copy_in(task.files_dir, task.files_dest)
@@ -205,7 +205,7 @@ async def run_episode(
     sample_index: int,
     task: Task,
     policy: Policy,
-    sandbox: Sandbox,
+    sandbox: ToolSandbox,
     toolbox: ToolRunner,
     limits: EpisodeLimits,
 ) -> EpisodeRecord:
@@ -462,7 +462,7 @@ _SANDBOX_STOPS = {
 }
 
 
-async def _read_answer_file(state: _State, task: Task, sandbox: Sandbox) -> None:
+async def _read_answer_file(state: _State, task: Task, sandbox: ToolSandbox) -> None:
     """Tasks whose answer is a file (LLM-in-Sandbox: ``answer.txt``) read it at the end of
     every valid episode, as the peer does; an answer passed to ``submit`` wins. It is read
     with the agent's own rights (a link to /etc/passwd reads what the agent could read) and
@@ -496,7 +496,7 @@ async def _finish(
     episode_id: str,
     sample_index: int,
     task: Task,
-    sandbox: Sandbox,
+    sandbox: ToolSandbox,
     started_at: datetime,
     t0: float,
     trainable: bool,
@@ -531,7 +531,7 @@ async def _finish(
     )
 
 
-def _sandbox_id(sandbox: Sandbox) -> str | None:
+def _sandbox_id(sandbox: ToolSandbox) -> str | None:
     try:
         return sandbox.id
     except Exception:  # a dead sandbox may not know its id any more
@@ -544,7 +544,7 @@ async def finish_episode(
     stop: StopReason,
     error: str | None,
     task: Task,
-    sandbox: Sandbox,
+    sandbox: ToolSandbox,
     episode_id: str,
     sample_index: int,
     started_at: datetime,

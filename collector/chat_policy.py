@@ -129,7 +129,7 @@ class ChatSession:
         else:
             parsed = parse_tool_calls(
                 content,
-                self.limits.tool_format,  # type: ignore[arg-type]
+                self.limits.tool_format,
                 tool_schemas=self.tools,
                 max_argument_bytes=self.limits.max_argument_bytes,
             )

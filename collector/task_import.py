@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,39 +36,13 @@ from collector.task_model import (
     check_unique,
     content_id,
     first_of,
+    read_records,
     safe_id,
 )
 from sandpiper.errors import TaskError
 from store.records import Split
 
 FORMATS = ("auto", "jsonl", "folder", "llm_in_sandbox", "trl_daytona")
-
-
-def read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(location, record) of a JSONL file or a JSON array file; locations are 1-based."""
-    text = path.read_text()
-    if text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TaskError(f"{path}: invalid JSON array ({e.msg}, line {e.lineno})") from None
-        for number, record in enumerate(records, 1):
-            where = f"{path}: record {number}"
-            if not isinstance(record, dict):
-                raise TaskError(f"{where}: expected a JSON object")
-            yield where, record
-        return
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskError(f"{where}: invalid JSON ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise TaskError(f"{where}: expected a JSON object")
-        yield where, record
 
 
 def import_tasks(

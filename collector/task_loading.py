@@ -3,7 +3,6 @@ described in :mod:`collector.tasks`, the public face of this module)."""
 
 from __future__ import annotations
 
-import json
 import tomllib
 from collections.abc import Iterator
 from dataclasses import replace
@@ -20,6 +19,7 @@ from collector.task_model import (
     content_id,
     first_of,
     missing_field,
+    read_records,
     row_prompt,
     safe_id,
     with_row_split,
@@ -50,30 +50,20 @@ def load_tasks(
 
 
 def _load_jsonl(path: Path) -> Iterator[Task]:
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise TaskError(f"{path}:{lineno}: expected a JSON object")
-            where = f"{path}:{lineno}"
-            if "data_dir" in row:
-                task = _with_overrides(load_task_folder(path.parent / row["data_dir"]), row, where)
-                yield with_row_split(task, row, where)
-            elif open_instruct.is_row(row):
-                task = open_instruct.row_task(row, where, path.parent)
-                yield with_row_split(task, row, where)
-            elif needs_import(row):
-                raise TaskError(
-                    f"{where}: a {needs_import(row)} row needs files in the sandbox; convert the "
-                    f"file first: sandpiper tasks import {path} --out DIR"
-                )
-            else:
-                yield task_from_row(row, source=path.name, where=where)
+    for where, row in read_records(path):
+        if "data_dir" in row:
+            task = _with_overrides(load_task_folder(path.parent / row["data_dir"]), row, where)
+            yield with_row_split(task, row, where)
+        elif open_instruct.is_row(row):
+            task = open_instruct.row_task(row, where, path.parent)
+            yield with_row_split(task, row, where)
+        elif needs_import(row):
+            raise TaskError(
+                f"{where}: a {needs_import(row)} row needs files in the sandbox; convert the "
+                f"file first: sandpiper tasks import {path} --out DIR"
+            )
+        else:
+            yield task_from_row(row, source=path.name, where=where)
 
 
 OVERRIDE_KEYS = ("instruction", "system", "image")

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,39 @@ class Task:
             data_uri=str(self.data_dir) if self.data_dir else None,
             split=self.split,
         )
+
+
+def read_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(location, record) of each row of a JSONL file or a JSON array file; locations are
+    ``path:line`` (JSONL) or ``path: record N`` (array), 1-based. JSONL is read line by line.
+    The one reader of peers' row files: the collector's loader and ``sandpiper tasks import``."""
+    with path.open(encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if head.startswith("["):
+            try:
+                records = json.load(f)
+            except json.JSONDecodeError as e:
+                raise TaskError(f"{path}: invalid JSON array ({e.msg}, line {e.lineno})") from None
+            rows: Iterable[tuple[str, Any]] = (
+                (f"{path}: record {n}", r) for n, r in enumerate(records, 1)
+            )
+        else:
+            rows = _jsonl_rows(path, f)
+        for where, record in rows:
+            if not isinstance(record, dict):
+                raise TaskError(f"{where}: expected a JSON object")
+            yield where, record
+
+
+def _jsonl_rows(path: Path, lines: Iterable[str]) -> Iterator[tuple[str, Any]]:
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
 
 
 def _existing(base: Path | None, name: str) -> Path | None:

@@ -10,11 +10,14 @@
   is loaded: its nanobind bindings otherwise print ~100 "nanobind: leaked N instances"
   lines at interpreter teardown, which read as failures. ``SANDPIPER_TEST_CLEAN_EXIT=0``
   keeps the normal teardown.
+- A failing test's report is rendered with the garbage collector paused (see
+  ``pytest_runtest_makereport``).
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import pkgutil
 import sys
@@ -45,6 +48,26 @@ def require(service: str, available: bool, why: str = "") -> None:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Render a failure with the garbage collector paused.
+
+    pytest parses the failing test's source with ``ast.parse`` to draw its traceback. On
+    CPython 3.11 a collection inside that call can run a finaliser that raises (an asyncio
+    transport collected after its loop closed), whose unraisable hook formats a traceback
+    with a nested ``ast.parse``; the outer call then fails with "SystemError: AST
+    constructor recursion depth mismatch" (python/cpython#106905) and the whole session
+    stops with INTERNALERROR instead of reporting the one failure. Seen in CI."""
+    if call.excinfo is None or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 _exit_status: int | None = None

@@ -44,7 +44,7 @@ from typing import Any
 from collector.agent import EpisodeLimits, ToolRunner, finish_episode, prepare_sandbox
 from collector.gateway.assembly import assemble
 from collector.gateway.server import Gateway
-from collector.sandbox.base import Sandbox
+from collector.sandbox.base import ToolSandbox
 from collector.tasks import Task
 from sandpiper.errors import SandboxError, SandpiperError, TaskError
 from store.records import INFRA_STOPS, EpisodeRecord, StopReason, ToolErrorKind, utcnow
@@ -71,7 +71,7 @@ async def run_external_episode(
     sample_index: int,
     task: Task,
     gateway: Gateway,
-    sandbox: Sandbox,
+    sandbox: ToolSandbox,
     toolbox: ToolRunner,
     limits: EpisodeLimits,
 ) -> EpisodeRecord:

@@ -247,6 +247,8 @@ class PodmanSandbox:
         self.lost = False
         """Set when the sandbox is dead because its container is gone or stopped (not by
         the agent's doing): its failures are then ``sandbox_lost``, not ``sandbox_died``."""
+        self.uid_slot: int | None = None
+        """The pool's uid range this container runs in (set by the pool that made it)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod

@@ -116,7 +116,7 @@ class SandboxPool:
         except BaseException:
             self._uids.release(slot)
             raise
-        box.uid_slot = slot  # type: ignore[attr-defined]
+        box.uid_slot = slot
         return box
 
     async def acquire(self, *, episode_id: str, task_id: str) -> PodmanSandbox:
@@ -157,7 +157,7 @@ class SandboxPool:
     async def _discard(self, box: PodmanSandbox) -> None:
         await box.close()
         remove_registry(box.id)
-        if self._uids is not None and hasattr(box, "uid_slot"):
+        if self._uids is not None and box.uid_slot is not None:
             self._uids.release(box.uid_slot)
 
     @contextlib.asynccontextmanager

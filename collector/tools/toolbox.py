@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.parsers import argument_problem
-from collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, Sandbox
+from collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, ToolSandbox
 from collector.tools.base import ToolResult
 from collector.tools.editor import Editor, EditorError
 from collector.tools.reward import DEFAULT_RESULT_FORMAT, RESULT_FORMATS, reward_from_result
@@ -66,7 +66,7 @@ class Toolbox:
 
     def __init__(
         self,
-        sandbox: Sandbox,
+        sandbox: ToolSandbox,
         *,
         tests_dir: Path | None,
         test_command: str | None,
@@ -102,7 +102,7 @@ class Toolbox:
         """Where the tests write the reward (``result_format = "reward_file"``)."""
         if (result_format == "reward_file") != (reward_file is not None):
             raise ValueError("result_format 'reward_file' goes with a reward_file path")
-        self.editor = Editor(sandbox)  # type: ignore[arg-type]  # PodmanSandbox has stat/tree
+        self.editor = Editor(sandbox)
 
     async def call(self, name: str, arguments: dict[str, Any] | str) -> ToolResult:
         """Run one tool call; every agent mistake is returned as data."""
@@ -213,7 +213,7 @@ class Toolbox:
         answer = arguments.get("answer")
         if self.test_command is None and self.tests_dir is None:
             return ToolResult("Submitted.", submitted=True, answer=answer, duration_ms=_ms(started))
-        box: Any = self.sandbox  # PodmanSandbox and the fake have the extended API
+        box = self.sandbox
         secret = secrets.token_hex(16)
         graded = await box.grade(
             GradeRequest(
