@@ -87,7 +87,6 @@ def main() -> None:
         cfg.name = f"bench-{mode}"
         cfg.learner.model = checkpoint
         cfg.learner.max_steps = args.steps + 1
-        cfg.collector.max_lag = lag
         cfg.learner.max_lag = lag
         cfg.collector.policy_poll_s = cfg.learner.poll_interval_s = args.poll_s
         demo.run_grpo(cfg, minutes=args.minutes, on_tick=lambda: None)

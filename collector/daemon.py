@@ -21,7 +21,7 @@ until ``stop`` is set (or ``max_groups`` train groups are written):
   flight (enough to keep every episode slot busy, no more).
 - **Backpressure.** A train group starts only while the groups written or in flight but not
   consumed by the learner number fewer than ``max_unconsumed_groups`` (default
-  ``learner.groups_per_step * (max_lag + 1)``): with the learner consuming
+  ``learner.groups_per_step * (learner.max_lag + 1)``): with the learner consuming
   ``groups_per_step`` groups per version, no group starts more than ``max_lag`` versions
   ahead of what the learner has consumed.
 - **Hot reload.** Every ``policy_poll_s`` the store's latest policy is compared with the
@@ -151,7 +151,7 @@ class Collector:
         self.max_unconsumed = (
             cc.max_unconsumed_groups
             if cc.max_unconsumed_groups is not None
-            else config.learner.groups_per_step * (cc.max_lag + 1)
+            else config.learner.groups_per_step * (config.learner.max_lag + 1)
         )
         self.max_groups_in_flight = math.ceil(cc.max_concurrent_episodes / cc.group_size) + 1
         self.metrics = CollectorMetrics(policy_version=client.policy_version)

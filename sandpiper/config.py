@@ -15,6 +15,7 @@ part may import it without paying for torch or vLLM.
 from __future__ import annotations
 
 import json
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sandpiper.errors import ConfigError
 
 ToolName = Literal["execute_bash", "str_replace_editor", "submit"]
+
+log = logging.getLogger(__name__)
 
 
 class _Part(BaseModel):
@@ -145,8 +148,6 @@ class CollectorConfig(_Part):
     temperature: float = 1.0
     top_p: float = 1.0
     max_concurrent_episodes: int = 16
-    max_lag: int = 2
-    """Do not start groups more than this many policy versions ahead of the learner."""
     tool_parser: Literal["hermes", "qwen3_coder", "bash_block"] = "hermes"
     """Action format: ``hermes`` (JSON in <tool_call>), ``qwen3_coder`` (XML), or
     ``bash_block``: one fenced bash block per reply, results as the next user turn, finish
@@ -166,7 +167,8 @@ class CollectorConfig(_Part):
     """Samples per validation task in each validation round."""
     max_unconsumed_groups: int | None = None
     """Train groups written or in flight but not yet consumed by the learner before new groups
-    wait; None = ``learner.groups_per_step * (max_lag + 1)``."""
+    wait; None = ``learner.groups_per_step * (learner.max_lag + 1)``: no group starts more
+    than ``learner.max_lag`` versions ahead of the learner."""
     max_tokens_in_flight: int = 0
     """Upper bound on prompt + max new tokens of concurrent generate requests (0 = no bound)."""
     max_groups: int = 0
@@ -205,7 +207,10 @@ class LearnerConfig(_Part):
     max_grad_norm: float = 1.0
     groups_per_step: int = 8
     max_lag: int = 2
-    """Groups whose oldest token is more than this many versions old are dropped as stale."""
+    """How far behind the learner a group may be, in policy versions: the learner drops
+    groups whose oldest token is older, and the collector starts no group further ahead
+    (``collector.max_unconsumed_groups``). The one setting of both (``collector.max_lag``
+    of earlier releases is read with a warning, see :func:`load_config`)."""
     minibatches: int = 1
     epochs: int = 1
     advantage: Literal["std", "mean", "batch_std"] = "std"
@@ -405,11 +410,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     data = _merge(data, parse_overrides(overrides or []))
+    _upgrade_deprecated(data, where=str(path) if path else "the overrides")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
         where = f" in {path}" if path else ""
         raise ConfigError(f"invalid config{where}:\n{e}") from None
+
+
+def _upgrade_deprecated(data: dict[str, Any], *, where: str) -> None:
+    """Read settings of earlier releases that moved: ``collector.max_lag`` is now
+    ``learner.max_lag`` (one setting for both parts; every shipped config set both). Equal
+    or alone, it is taken with a warning; two different values are an error."""
+    collector, learner = data.get("collector"), data.get("learner")
+    if not isinstance(collector, dict) or "max_lag" not in collector:
+        return
+    old = collector.pop("max_lag")
+    if not isinstance(learner, dict):
+        learner = data["learner"] = {}
+    if "max_lag" in learner and learner["max_lag"] != old:
+        raise ConfigError(
+            f"{where}: collector.max_lag = {old!r} and learner.max_lag = {learner['max_lag']!r}"
+            " differ; max_lag is one setting now: keep learner.max_lag only"
+        )
+    learner.setdefault("max_lag", old)
+    log.warning("%s: collector.max_lag is deprecated; set learner.max_lag (the one setting "
+                "of both parts) and remove collector.max_lag", where)  # fmt: skip
 
 
 def to_toml(config: RunConfig) -> str:

@@ -68,7 +68,7 @@ def test_demo_runs_collector_and_learner_side_by_side(tmp_path: Path) -> None:
         "--runs_dir", str(runs), "--store.url", url, "--name", "e2e",
         "--learner.model", str(model_dir), "--learner.max_steps", str(STEPS),
         "--learner.groups_per_step", str(GROUPS_PER_STEP),
-        "--learner.max_lag", str(MAX_LAG), "--collector.max_lag", str(MAX_LAG),
+        "--learner.max_lag", str(MAX_LAG),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=2300)
     tail = (done.stdout + done.stderr)[-4000:]

@@ -29,11 +29,13 @@ TASKS = [
 ]
 
 
-def _config(**collector) -> RunConfig:
+def _config(max_lag: int = 2, **collector) -> RunConfig:
     base = {"group_size": 2, "max_concurrent_episodes": 4, "policy_poll_s": 0.05}
     base.update(status_interval_s=60.0, max_unconsumed_groups=1000)
     base.update(collector)
-    return RunConfig.model_validate({"name": "run", "collector": base})
+    return RunConfig.model_validate(
+        {"name": "run", "collector": base, "learner": {"max_lag": max_lag}}
+    )
 
 
 def _collector(tokenizer, tmp_path, config, *, tasks=TASKS, store=None, delay_s=0.0, cid="c1"):

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.config import RunConfig, load_config, parse_overrides, to_toml, write_resolved
+from sandpiper.config import (
+    CollectorConfig,
+    RunConfig,
+    load_config,
+    parse_overrides,
+    to_toml,
+    write_resolved,
+)
 from sandpiper.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
@@ -67,3 +74,20 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     again = RunConfig.model_validate(tomllib.loads(out.read_text()))
     assert again == config
     assert to_toml(again) == out.read_text()
+
+
+def test_max_lag_is_one_setting_and_the_old_collector_key_is_read_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "old.toml"
+    path.write_text("[collector]\nmax_lag = 1\n")
+    with caplog.at_level("WARNING", logger="sandpiper.config"):
+        cfg = load_config(path)
+    assert cfg.learner.max_lag == 1
+    assert "collector.max_lag is deprecated" in caplog.text
+    assert "max_lag" not in CollectorConfig.model_fields
+    path.write_text("[collector]\nmax_lag = 1\n[learner]\nmax_lag = 1\n")
+    assert load_config(path).learner.max_lag == 1
+    path.write_text("[collector]\nmax_lag = 0\n[learner]\nmax_lag = 3\n")
+    with pytest.raises(ConfigError, match="differ"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="differ"):
+        load_config(None, ["--collector.max_lag", "0", "--learner.max_lag", "2"])
