@@ -158,7 +158,10 @@ class _State:
 
 
 def default_toolbox_factory(
-    *, exec_timeout_s: float, test_timeout_s: float
+    *,
+    exec_timeout_s: float,
+    test_timeout_s: float,
+    max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
 ) -> ToolboxFactory:  # pragma: no cover - thin wiring around the tools package
     def make(sandbox: ToolSandbox, task: Task) -> ToolRunner:
         from collector.tools import Toolbox
@@ -175,6 +178,7 @@ def default_toolbox_factory(
             tests_import_workspace=task.format == "open_instruct",
             test_timeout_s=test_timeout_s,
             exec_timeout_s=exec_timeout_s,
+            max_argument_bytes=max_argument_bytes,
         )
 
     return make

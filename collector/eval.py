@@ -40,7 +40,9 @@ async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str |
     await asyncio.to_thread(store.upsert_tasks, [t.to_record() for t in tasks])
     journal = SeqJournal(config.run_dir / "collector_journal.json")
     make_toolbox = default_toolbox_factory(
-        exec_timeout_s=config.sandbox.exec_timeout_s, test_timeout_s=cc.test_timeout_s
+        exec_timeout_s=config.sandbox.exec_timeout_s,
+        test_timeout_s=cc.test_timeout_s,
+        max_argument_bytes=cc.max_argument_bytes,
     )
     chat = ChatEndpoint(endpoint_url, model, api_key=api_key)
     policy = ChatPolicy(chat, offered_schemas(cc.tools, cc.tool_descriptions))

@@ -153,7 +153,9 @@ async def collect(
             writer=writer,
             pool=pool,
             toolbox_factory=default_toolbox_factory(
-                exec_timeout_s=config.sandbox.exec_timeout_s, test_timeout_s=cc.test_timeout_s
+                exec_timeout_s=config.sandbox.exec_timeout_s,
+                test_timeout_s=cc.test_timeout_s,
+                max_argument_bytes=cc.max_argument_bytes,
             ),
             tasks=tasks,
             collector_id=collector_id,

@@ -51,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from sandpiper.config import CollectorConfig
 from store.records import ToolErrorKind
 
 ToolFormat = Literal["hermes", "qwen3_coder", "bash_block"]
@@ -60,8 +61,10 @@ the prompt through the chat template) or plain fenced bash (``bash_block``)."""
 SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 """bash_block: the first output line that ends the episode (mini-swe-agent's convention)."""
 
-DEFAULT_MAX_ARGUMENT_BYTES = 65_536
-"""Arguments larger than this (UTF-8 bytes of their JSON) are refused, not run."""
+DEFAULT_MAX_ARGUMENT_BYTES: int = CollectorConfig.model_fields["max_argument_bytes"].default
+"""Arguments larger than this (UTF-8 bytes of their JSON) are refused, not run: the
+config's default (``collector.max_argument_bytes``), the one source of the limit for the
+parsers, the API path, the toolbox and the gateway."""
 MAX_ARGUMENT_DEPTH = 16
 """Arguments nested deeper than this (objects and arrays) are refused: no tool takes more
 than 2 levels, and deep nesting costs recursion in every JSON encoder downstream."""

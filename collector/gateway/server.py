@@ -46,7 +46,12 @@ from collector.gateway.assembly import call_id
 from collector.gateway.session import BudgetSpent, EpisodeSession
 from collector.inference.base import PolicyClient, SamplingParams
 from collector.inference.vllm_client import ContextLengthExceeded
-from collector.parsers import ParsedMessage, ToolFormat, parse_tool_calls
+from collector.parsers import (
+    DEFAULT_MAX_ARGUMENT_BYTES,
+    ParsedMessage,
+    ToolFormat,
+    parse_tool_calls,
+)
 from collector.render import ChatRenderer
 from sandpiper.errors import InferenceError
 from store.records import utcnow
@@ -72,7 +77,7 @@ class GatewaySettings:
     top_p: float = 1.0
     max_tokens_per_turn: int = 256
     context_limit: int = 2048
-    max_argument_bytes: int = 65_536
+    max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES
 
     @classmethod
     def from_limits(cls, limits: Any, *, run_id: str) -> GatewaySettings:

@@ -25,16 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from collector.parsers import argument_problem
+from collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES, argument_problem
 from collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, ToolSandbox
 from collector.tools.base import ToolResult
 from collector.tools.editor import Editor, EditorError
 from collector.tools.reward import DEFAULT_RESULT_FORMAT, RESULT_FORMATS, reward_from_result
+from collector.tools.schemas import TOOL_SCHEMAS
 from sandpiper.errors import SandboxError, SandboxLostError
 from store.records import ToolErrorKind
 
-MAX_ARGUMENT_BYTES = 256 * 1024
-"""Arguments larger than this (as JSON) are refused before anything runs."""
 MAX_TEST_OUTPUT_CHARS = 4000
 
 _OUTCOME_KIND = {
@@ -44,21 +43,36 @@ _OUTCOME_KIND = {
     ExecOutcome.SANDBOX_DIED: ToolErrorKind.SANDBOX_DIED,
     ExecOutcome.SANDBOX_LOST: ToolErrorKind.SANDBOX_LOST,
 }
-# name -> {argument: (accepted types, required)}
-_ARGUMENTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "execute_bash": {"command": ((str,), True), "timeout": ((int, float), False)},
-    "str_replace_editor": {
-        "command": ((str,), True),
-        "path": ((str,), True),
-        "file_text": ((str,), False),
-        "old_str": ((str,), False),
-        "new_str": ((str,), False),
-        # numeric strings too, as SWE-agent's command line accepts (the editor checks them)
-        "insert_line": ((int, str), False),
-        "view_range": ((list, str), False),
-    },
-    "submit": {"answer": ((str,), False)},
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "array": (list,),
+}  # fmt: skip
+_ALSO_ACCEPTED: dict[tuple[str, str], tuple[type, ...]] = {
+    ("execute_bash", "timeout"): (float,),  # a number of seconds; the schema says integer
+    # numeric strings, as SWE-agent's command line accepts (the editor checks them)
+    ("str_replace_editor", "insert_line"): (str,),
+    ("str_replace_editor", "view_range"): (str,),
 }
+
+
+def _argument_specs() -> dict[str, dict[str, tuple[tuple[type, ...], bool]]]:
+    """name -> {argument: (accepted types, required)}, from the tools' JSON schemas (the
+    ones the model is shown) plus the few leniencies above."""
+    specs: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {}
+    for schema in TOOL_SCHEMAS:
+        fn = schema["function"]
+        params = fn["parameters"]
+        required = set(params.get("required", ()))
+        specs[fn["name"]] = {
+            arg: (
+                _JSON_TYPES[prop["type"]] + _ALSO_ACCEPTED.get((fn["name"], arg), ()),
+                arg in required,
+            )
+            for arg, prop in params["properties"].items()
+        }
+    return specs
+
+
+_ARGUMENTS = _argument_specs()
 
 
 class Toolbox:
@@ -73,7 +87,7 @@ class Toolbox:
         test_timeout_s: float,
         exec_timeout_s: float,
         max_exec_timeout_s: float | None = None,
-        max_argument_bytes: int = MAX_ARGUMENT_BYTES,
+        max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
         result_format: str = DEFAULT_RESULT_FORMAT,
         tests_see_agent_processes: bool = False,
         subject_command: str | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 
 import pytest
@@ -137,3 +138,26 @@ def test_submit_exit_status_reward_only_when_declared(fake_sandbox):
     assert submit("result_file").test_reward == 0.0  # exit 0 but no result file
     result = submit("exit_status")
     assert result.test_reward == 1.0 and result.test_details["format"] == "exit_status"
+
+
+def test_argument_checks_and_byte_limit_come_from_one_source():
+    """The schemas the model is shown declare every argument the toolbox accepts, and which
+    are required; the byte limit is the config's default everywhere."""
+    from collector.gateway.server import GatewaySettings
+    from collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES
+    from collector.policy import PolicyLimits
+    from collector.tools.toolbox import _ARGUMENTS
+    from sandpiper.config import CollectorConfig
+
+    for schema in TOOL_SCHEMAS:
+        fn = schema["function"]
+        spec = _ARGUMENTS[fn["name"]]
+        assert list(spec) == list(fn["parameters"]["properties"])
+        required = {arg for arg, (_, req) in spec.items() if req}
+        assert required == set(fn["parameters"]["required"])
+    limit = CollectorConfig().max_argument_bytes
+    assert limit == DEFAULT_MAX_ARGUMENT_BYTES
+    assert PolicyLimits().max_argument_bytes == limit
+    assert GatewaySettings(model_names=("m",)).max_argument_bytes == limit
+    default = inspect.signature(Toolbox).parameters["max_argument_bytes"].default
+    assert default == limit
