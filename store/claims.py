@@ -10,19 +10,21 @@ nothing more than its cross-process file lock, which serialises every writer.
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 import numpy as np
 import sqlalchemy as sa
 
 from store import arrow_io, leases, schema
-from store.records import Fence, GroupStatus, Split, TrainBatch, TrainEpisode, TrainGroup
-
-
-def utc_now() -> datetime:
-    """This process's clock (claims' and rows' timestamps; leases use the store's clock,
-    :func:`store.leases.store_now`)."""
-    return datetime.now(UTC)
+from store.records import (
+    Fence,
+    GroupStatus,
+    Split,
+    TrainBatch,
+    TrainEpisode,
+    TrainGroup,
+    utcnow,
+)
 
 
 def new_claim_id() -> str:
@@ -30,7 +32,7 @@ def new_claim_id() -> str:
 
 
 def lease_deadline(lease_s: float) -> datetime:
-    return utc_now() + timedelta(seconds=lease_s)
+    return utcnow() + timedelta(seconds=lease_s)
 
 
 T = schema
@@ -49,7 +51,7 @@ def claim(
 ):
     """See :meth:`store.Store.claim_batch`; with ``fence``, only the run's leader may claim."""
     gs, g, pol = T.group_states, T.groups, T.policies
-    now = utc_now()
+    now = utcnow()
     with store._write() as conn:
         if fence is not None:
             leases.check(conn, fence, skip_locked=store.backend.skip_locked)

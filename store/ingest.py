@@ -19,12 +19,11 @@ both are refused as duplicates.
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
 from store import arrow_io, collectors, schema
-from store.records import GroupRecord, WriteOutcome, WriteReport
+from store.records import GroupRecord, WriteOutcome, WriteReport, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +105,7 @@ def write(store, groups: list[GroupRecord]) -> WriteReport:
             outcomes[g.group_id] = WriteOutcome.DUPLICATE  # refused below too
     if not batch:
         return WriteReport({})
-    now = datetime.now(UTC)
+    now = utcnow()
     # Arrow conversion before taking the store (on DuckDB a file lock that every reader and
     # the learner's claim wait on); the groups found stored or superseded inside are
     # filtered out of these tables, which in the usual case is none of them.

@@ -24,7 +24,7 @@ from sqlalchemy.dialects import postgresql
 from sandpiper.errors import DuplicateGroupError, PolicyConflictError, StoreError
 from store import leases, migrations, schema
 from store.backends import DuckDBBackend, make_backend
-from store.claims import claim, load_episodes, utc_now
+from store.claims import claim, load_episodes
 from store.records import (
     CollectorRecord,
     Fence,
@@ -40,6 +40,7 @@ from store.records import (
     TrainEpisode,
     TrainGroup,
     WriteReport,
+    utcnow,
 )
 
 T = schema
@@ -210,7 +211,7 @@ class Store:
                     claim_id=claim_id,
                     n_groups=n_groups,
                     metrics=metrics or {},
-                    created_at=utc_now(),
+                    created_at=utcnow(),
                 )
             )
 
@@ -219,7 +220,7 @@ class Store:
         n = conn.execute(
             sa.update(gs)
             .where(gs.c.claim_id == claim_id, gs.c.status == GroupStatus.CLAIMED.value)
-            .values(status=GroupStatus.CONSUMED.value, consumed_by_step=step, updated_at=utc_now())
+            .values(status=GroupStatus.CONSUMED.value, consumed_by_step=step, updated_at=utcnow())
         ).rowcount
         if n == 0:
             raise StoreError(
@@ -431,7 +432,7 @@ class Store:
                     status=GroupStatus.READY.value,
                     claimed_by=None,
                     lease_expires_at=None,
-                    updated_at=utc_now(),
+                    updated_at=utcnow(),
                 )
             )
 

@@ -30,10 +30,10 @@ import logging
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
-from store.records import PolicyRecord
+from store.records import PolicyRecord, utcnow
 from trainer.checkpoint import FOLDER_RE
 
 log = logging.getLogger("sandpiper.learner")
@@ -100,7 +100,7 @@ def prune_checkpoints(
     now: datetime | None = None,
 ) -> list[Path]:
     """Delete the folders retention allows; returns what was deleted (call as the leader)."""
-    now = now or datetime.now(UTC)
+    now = now or utcnow()
     policies = store.policies(run_id)
     referenced = store.collector_policy_versions(
         run_id=run_id, within_s=rule.collector_ttl_s + rule.grace_s
