@@ -65,9 +65,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from collector.demo_tasks import COMPUTE_FRACTION
-    from sandpiper import demo
     from sandpiper.config import load_config
+    from sandpiper.demo import run as demo
+    from sandpiper.demo.tasks import COMPUTE_FRACTION
 
     runs = Path(args.runs_dir)
     shutil.rmtree(runs, ignore_errors=True)

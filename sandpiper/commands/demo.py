@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
-from collector.demo_tasks import COMPUTE_FRACTION
 from sandpiper.commands._common import cli_errors, command, resolve_config
+from sandpiper.demo.tasks import COMPUTE_FRACTION
 
 PROGRESS_EVERY_S = 30.0
 """Without a terminal, a plain progress line at most this often (and on every new version)."""
@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
         version, the HTML report and the MLflow run. Extra ``--part.field VALUE`` override."""
         from rich.console import Console
 
-        from sandpiper import demo as d
+        from sandpiper.demo import run as d
 
         if model not in d.DEMO_MODELS:
             raise typer.BadParameter(f"--model must be one of {', '.join(d.DEMO_MODELS)}")
@@ -109,7 +109,7 @@ class _Progress:
         self._last_version: int | None = None
 
     def frame(self):
-        from sandpiper import demo as d
+        from sandpiper.demo import run as d
 
         return d.reward_table(self.store_url, self.run_id)
 

@@ -117,7 +117,7 @@ def test_demo_runs_collector_and_learner_side_by_side(tmp_path: Path) -> None:
 
 def _assert_reward_rises(url: str) -> None:
     """Warm start vs the last three versions, and the trend over all sampled versions."""
-    from sandpiper.demo import reward_table
+    from sandpiper.demo.run import reward_table
 
     table = reward_table(url, "e2e").filter(pl.col("n_valid") > 0)
     versions = table["policy_version"].to_list()

@@ -139,8 +139,8 @@ def test_a_bare_sentinel_submits_without_an_answer(tiny_tokenizer):
 
 
 def test_the_demo_teacher_answers_in_bash_blocks(tiny_tokenizer):
-    from collector.demo_tasks import COMPUTE_COMMAND, INSTRUCTION
-    from sandpiper.demo import Demonstrator
+    from sandpiper.demo.run import Demonstrator
+    from sandpiper.demo.tasks import COMPUTE_COMMAND, INSTRUCTION
 
     teacher = Demonstrator(tiny_tokenizer, compute_fraction=1.0, action_format="bash_block")
     episode, _, toolbox, _ = _episode_with(tiny_tokenizer, teacher, INSTRUCTION)

@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from collector.demo_tasks import COMPUTE_COMMAND, DEMO_TOOLS, INSTRUCTION, SYSTEM_PROMPT
 from collector.inference.base import SamplingParams
 from collector.parsers import parse_tool_calls
 from collector.render import ChatRenderer
 from collector.tools import offered_schemas
-from sandpiper.demo import Demonstrator
+from sandpiper.demo.run import Demonstrator
+from sandpiper.demo.tasks import COMPUTE_COMMAND, DEMO_TOOLS, INSTRUCTION, SYSTEM_PROMPT
 from sandpiper.errors import SandpiperError
 
 PARAMS = SamplingParams(max_tokens=72)
@@ -67,7 +67,7 @@ def test_refuses_prompts_that_are_not_demo_tasks(tiny_tokenizer) -> None:
 
 def test_fresh_deletes_the_earlier_demo_and_never_a_shared_store(tmp_path) -> None:
     from sandpiper.config import load_config
-    from sandpiper.demo import reset
+    from sandpiper.demo.run import reset
 
     runs = tmp_path / "runs"
     url = f"duckdb:///{runs}/d/store.duckdb"

@@ -7,15 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from collector.demo_tasks import (
+from collector.rewards import compute_reward
+from collector.tasks import load_tasks
+from sandpiper.demo.tasks import (
     COMPUTE_COMMAND,
     INSTRUCTION,
     demonstration,
     make_tasks,
     write_demo_tasks,
 )
-from collector.rewards import compute_reward
-from collector.tasks import load_tasks
 
 
 def test_tasks_are_deterministic_and_differ_in_their_numbers() -> None:

@@ -121,8 +121,8 @@ def test_a_learner_line_is_printed_once_with_its_rank_when_there_are_several():
 def test_demo_prints_plain_progress_lines_without_a_terminal(monkeypatch, capsys):
     from rich.console import Console
 
-    from sandpiper import demo as d
     from sandpiper.commands.demo import _Progress
+    from sandpiper.demo import run as d
 
     frames = iter(
         [

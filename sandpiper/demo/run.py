@@ -2,7 +2,7 @@
 
 ``sandpiper demo`` (``make demo``) runs, with real parts throughout:
 
-1. **Tasks** — :mod:`collector.demo_tasks` writes task folders: "write the sum of the numbers
+1. **Tasks** — :mod:`sandpiper.demo.tasks` writes task folders: "write the sum of the numbers
    in numbers.txt to answer.txt, then submit"; the numbers exist only in the sandbox.
 2. **Demonstrations through the store** — the real collector (podman sandboxes, tools,
    rewards, store writer) runs one episode per task with :class:`Demonstrator`, a scripted
@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from collector.demo_tasks import INSTRUCTION, demonstration, write_demo_tasks
 from collector.inference.base import Generation, SamplingParams
 from collector.parsers import SUBMIT_SENTINEL
 from sandpiper.config import RunConfig, write_resolved
+from sandpiper.demo.tasks import INSTRUCTION, demonstration, write_demo_tasks
 from sandpiper.errors import SandpiperError
 
 
