@@ -55,6 +55,7 @@ from collector.sandbox.base import ExecOutcome, ToolSandbox
 from collector.scoring import score_answer
 from collector.tasks import DEFAULT_TESTS_DEST, Task
 from collector.tools.base import ToolResult
+from sandpiper.config import CollectorConfig, InferenceConfig, RunConfig
 from sandpiper.errors import SandboxError, SandboxLostError, SandpiperError, TaskError
 from store.records import (
     INFRA_STOPS,
@@ -97,24 +98,28 @@ class SandboxSource(Protocol):
     async def release(self, sandbox: Any, *, broken: bool = False) -> None: ...
 
 
+_COLLECTOR, _INFERENCE = CollectorConfig(), InferenceConfig()
+"""The config's defaults: the one source of the defaults below."""
+
+
 @dataclass(frozen=True, slots=True)
 class EpisodeLimits:
     """Per-episode limits and sampling settings (from ``CollectorConfig``)."""
 
-    max_turns: int = 6
-    max_tokens_per_turn: int = 256
-    max_episode_tokens: int = 2048
+    max_turns: int = _COLLECTOR.max_turns
+    max_tokens_per_turn: int = _COLLECTOR.max_tokens_per_turn
+    max_episode_tokens: int = _COLLECTOR.max_episode_tokens
     """Budget of sampled (completion) tokens over all turns."""
-    context_limit: int = 2048
+    context_limit: int = _INFERENCE.max_model_len
     """Maximum tokens in the context (prompt + all segments): the server's max_model_len."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    tool_format: ToolFormat = "hermes"
+    temperature: float = _COLLECTOR.temperature
+    top_p: float = _COLLECTOR.top_p
+    tool_format: ToolFormat = _COLLECTOR.tool_parser
     max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES
     system_prompt: str = SYSTEM_PROMPT
 
     @classmethod
-    def from_config(cls, config: Any) -> EpisodeLimits:
+    def from_config(cls, config: RunConfig) -> EpisodeLimits:
         """The limits of a ``RunConfig`` (training and evaluation use the same ones)."""
         cc = config.collector
         return cls(

@@ -36,24 +36,29 @@ from collector.parsers import (
     parse_tool_calls,
 )
 from collector.render import ChatRenderer
+from sandpiper.config import CollectorConfig, InferenceConfig
 from sandpiper.errors import SandpiperError
 from store.records import Role, StopReason, ToolCallRecord, TurnRecord
 
 _NO_IDS = np.zeros(0, dtype=np.int32)
 
 
+_COLLECTOR, _INFERENCE = CollectorConfig(), InferenceConfig()
+"""The config's defaults: the one source of the defaults below."""
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyLimits:
     """Sampling settings and token budgets of one episode (from ``EpisodeLimits``)."""
 
-    max_tokens_per_turn: int = 256
-    max_episode_tokens: int = 2048
+    max_tokens_per_turn: int = _COLLECTOR.max_tokens_per_turn
+    max_episode_tokens: int = _COLLECTOR.max_episode_tokens
     """Budget of sampled (completion) tokens over all turns."""
-    context_limit: int = 2048
+    context_limit: int = _INFERENCE.max_model_len
     """Maximum tokens in the context (token mode: prompt + all segments)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    tool_format: ToolFormat = "hermes"
+    temperature: float = _COLLECTOR.temperature
+    top_p: float = _COLLECTOR.top_p
+    tool_format: ToolFormat = _COLLECTOR.tool_parser
     max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES
 
 
