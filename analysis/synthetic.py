@@ -33,6 +33,7 @@ from store.records import (
     INFRA_STOPS,
     EpisodeRecord,
     GroupRecord,
+    GroupSampling,
     PolicyRecord,
     Role,
     RunRecord,
@@ -153,7 +154,7 @@ def synthetic_run(
                     run_id=run_id,
                     task_id=task_id,
                     split=Split.TRAIN,
-                    sampling_params={"temperature": 1.0, "top_p": 1.0, "max_tokens": 256},
+                    sampling_params=GroupSampling(max_tokens_per_turn=256),
                     episodes=episodes,
                     created_at=started,
                 )

@@ -43,7 +43,6 @@ import logging
 import math
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,6 +60,7 @@ from store.collectors import task_rank
 from store.records import (
     EpisodeRecord,
     GroupRecord,
+    GroupSampling,
     GroupStatus,
     SlotLease,
     Split,
@@ -348,13 +348,17 @@ class Collector:
 
         runner.add_done_callback(finished)
 
-    def _sampling(self) -> dict[str, Any]:
-        return {
-            "temperature": self.cc.temperature,
-            "top_p": self.cc.top_p,
-            "max_tokens_per_turn": self.cc.max_tokens_per_turn,
-            "limits": asdict(self.limits),
-        }
+    def _sampling(self) -> GroupSampling:
+        limits = self.limits
+        return GroupSampling(
+            temperature=limits.temperature,
+            top_p=limits.top_p,
+            max_tokens_per_turn=limits.max_tokens_per_turn,
+            max_turns=limits.max_turns,
+            max_episode_tokens=limits.max_episode_tokens,
+            context_limit=limits.context_limit,
+            tool_format=limits.tool_format,
+        )
 
     async def _group(self, task: Task, split: Split, size: int, lease: SlotLease) -> None:
         try:

@@ -30,7 +30,7 @@ async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str |
     from collector.sandbox.images import ImagePools
     from collector.tasks import load_tasks
     from collector.tools import offered_schemas
-    from store.records import GroupRecord, Split
+    from store.records import GroupRecord, GroupSampling, Split
 
     cc = config.collector
     tasks = load_tasks(
@@ -66,7 +66,7 @@ async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str |
         )
         record = GroupRecord(
             group_id=group_id, run_id=config.name, task_id=task.task_id, split=Split.VALIDATION,
-            sampling_params={"endpoint": endpoint_url, "model": model, "temperature": cc.temperature},
+            sampling_params=GroupSampling(temperature=cc.temperature, top_p=cc.top_p, endpoint=endpoint_url, model=model),
             episodes=tuple(episodes),
         )  # fmt: skip
         await asyncio.to_thread(writer.put, record)

@@ -174,7 +174,7 @@ def groups_to_arrow(groups: Sequence[GroupRecord], now: datetime) -> dict[str, p
         "run_id": [g.run_id for g in groups],
         "task_id": [g.task_id for g in groups],
         "split": [str(g.split) for g in groups],
-        "sampling_params": [json.dumps(g.sampling_params) for g in groups],
+        "sampling_params": [json.dumps(g.sampling_params.to_json()) for g in groups],
         "n_episodes": [len(g.episodes) for g in groups],
         "n_valid": [sum(e.valid for e in g.episodes) for g in groups],
         "min_policy_version": [

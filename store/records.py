@@ -269,6 +269,39 @@ class EpisodeRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupSampling:
+    """How a group's episodes were sampled: the ``groups.sampling_params`` JSON column.
+
+    One shape for every writer (the collector, evaluation of an external endpoint, tests and
+    synthetic runs); fields that do not apply are None and left out of the JSON."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens_per_turn: int | None = None
+    max_turns: int | None = None
+    max_episode_tokens: int | None = None
+    """Budget of sampled tokens over the episode."""
+    context_limit: int | None = None
+    tool_format: str | None = None
+    endpoint: str | None = None
+    """Evaluation of an external OpenAI-compatible endpoint: its URL."""
+    model: str | None = None
+    """Evaluation of an external endpoint: the model name asked for."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GroupSampling:
+        """Read a stored value, also the shapes of earlier releases (the collector's nested
+        ``limits``, ``max_tokens`` for the per-turn limit)."""
+        flat = {**data.get("limits", {}), **{k: v for k, v in data.items() if k != "limits"}}
+        if "max_tokens" in flat:
+            flat.setdefault("max_tokens_per_turn", flat.pop("max_tokens"))
+        return cls(**{k: v for k, v in flat.items() if k in cls.__slots__})
+
+
+@dataclass(frozen=True, slots=True)
 class GroupRecord:
     group_id: str
     """``{run_id}/{task_id}/{seq}``: the id of the task slot the store issued (see
@@ -276,7 +309,7 @@ class GroupRecord:
     run_id: str
     task_id: str
     split: Split
-    sampling_params: dict[str, Any]
+    sampling_params: GroupSampling
     episodes: tuple[EpisodeRecord, ...]
     created_at: datetime = field(default_factory=utcnow)
     collector_id: str | None = None

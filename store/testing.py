@@ -16,6 +16,7 @@ import numpy as np
 from store.records import (
     EpisodeRecord,
     GroupRecord,
+    GroupSampling,
     Role,
     Split,
     StopReason,
@@ -89,6 +90,6 @@ def make_group(
         run_id=run_id,
         task_id=task_id,
         split=split,
-        sampling_params={"temperature": 1.0, "max_tokens": tokens_per_turn},
+        sampling_params=GroupSampling(max_tokens_per_turn=tokens_per_turn),
         episodes=tuple(episodes),
     )

@@ -21,6 +21,7 @@ One writer owns a spool directory at a time (a lock file inside it).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -33,7 +34,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from sandpiper.errors import StoreError
-from store.records import GroupRecord, WriteOutcome
+from store.records import GroupRecord, GroupSampling, WriteOutcome
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,16 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _upgraded(group: GroupRecord) -> GroupRecord:
+    """A group spooled by an earlier release, in this release's types: acknowledged groups
+    must commit after an upgrade (before ``GroupSampling``, ``sampling_params`` was a dict)."""
+    if isinstance(group.sampling_params, dict):
+        return dataclasses.replace(
+            group, sampling_params=GroupSampling.from_json(group.sampling_params)
+        )
+    return group
 
 
 class GroupWriter:
@@ -85,7 +96,7 @@ class GroupWriter:
         self.rejected_groups = 0
         """Groups the store refused (duplicate id or superseded slot): errors."""
         for path in sorted(self.spool.glob("*.group")):
-            group = pickle.loads(path.read_bytes())
+            group = _upgraded(pickle.loads(path.read_bytes()))
             self._pending[group.group_id] = (group, path)
             self._pending_episodes += len(group.episodes)
         for tmp in self.spool.glob("*.tmp"):

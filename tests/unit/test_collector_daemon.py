@@ -72,7 +72,7 @@ def test_groups_have_deterministic_ids_and_balanced_tasks(tiny_tokenizer, tmp_pa
         assert len(group.episodes) == 2 and group.split is Split.TRAIN
         assert [e.sample_index for e in group.episodes] == [0, 1]
         assert all(e.valid and e.reward == 1.0 for e in group.episodes)
-        assert group.run_id == "run" and group.sampling_params["temperature"] == 1.0
+        assert group.run_id == "run" and group.sampling_params.temperature == 1.0
     assert metrics.episodes_total == 12 and metrics.groups_total == 6
     assert {s["status"] for s in collector.store.slots.values()} == {"done"}
     assert collector.store.stopped == ["c1"]

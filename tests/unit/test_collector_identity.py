@@ -4,6 +4,7 @@ the slot tests use an embedded DuckDB file)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing as mp
 import pickle
 
@@ -93,3 +94,27 @@ def test_janitor_judges_by_heartbeats_not_pids(box, verdict) -> None:
     live = {"live": True, "dead": False}
     assert judge(box, store_id="S", live=live, grace_s=3600, now_s=1000.0) is verdict
     assert verdict.orphan == (verdict in (Verdict.DEAD, Verdict.UNKNOWN_OLD))
+
+
+@pytest.mark.timeout(60)  # a group that cannot commit keeps the writer retrying
+def test_a_group_spooled_by_the_previous_release_commits_after_the_upgrade(store, tmp_path):
+    """Before GroupSampling, ``sampling_params`` was a dict in the pickled spool files: an
+    acknowledged group must still commit (issue 18: upgrades must not strand the spool)."""
+    import dataclasses
+
+    old = dataclasses.replace(make_group("g-old"), sampling_params={"temperature": 0.5,
+                              "limits": {"max_turns": 3}, "max_tokens": 16})  # fmt: skip
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    name = hashlib.sha1(b"g-old").hexdigest()
+    (spool / f"{name}.group").write_bytes(pickle.dumps(old))
+    writer = store.writer(spool_dir=str(spool))
+    writer.flush(timeout_s=20)
+    writer.close()
+    assert store.group_ids("run") == ["g-old"]
+    with store.connect_readonly() as conn:
+        import sqlalchemy as sa
+
+        stored = conn.execute(sa.text("SELECT sampling_params FROM groups")).scalar_one()
+    got = json.loads(stored) if isinstance(stored, str) else stored
+    assert got == {"temperature": 0.5, "top_p": 1.0, "max_tokens_per_turn": 16, "max_turns": 3}

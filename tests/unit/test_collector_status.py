@@ -8,7 +8,16 @@ import numpy as np
 
 from collector.journal import SeqJournal
 from collector.status import CollectorMetrics, StatusReporter, status_line
-from store.records import EpisodeRecord, GroupRecord, Role, Split, StopReason, TurnRecord, utcnow
+from store.records import (
+    EpisodeRecord,
+    GroupRecord,
+    GroupSampling,
+    Role,
+    Split,
+    StopReason,
+    TurnRecord,
+    utcnow,
+)
 
 
 def _episode(reward, valid=True, version=2, n=5):
@@ -23,7 +32,7 @@ def _episode(reward, valid=True, version=2, n=5):
 
 
 def _group(*episodes, split=Split.TRAIN):
-    return GroupRecord("r/t/0", "r", "t", split, {}, tuple(episodes))
+    return GroupRecord("r/t/0", "r", "t", split, GroupSampling(), tuple(episodes))
 
 
 def test_snapshot_rates_window_and_lag(tmp_path):

@@ -138,3 +138,22 @@ def test_the_report_counts_bad_sampler_output_episodes() -> None:
     }
     cards = dict(_cards(frames))
     assert cards["invalid (infra)"] == "2" and cards["bad sampler output"] == "1"
+
+
+def test_sampling_params_have_one_shape_and_earlier_shapes_read_back():
+    from store.records import GroupSampling
+
+    sampling = GroupSampling(temperature=0.7, max_tokens_per_turn=64, tool_format="hermes")
+    assert sampling.to_json() == {
+        "temperature": 0.7, "top_p": 1.0, "max_tokens_per_turn": 64, "tool_format": "hermes"
+    }  # fmt: skip
+    assert GroupSampling.from_json(sampling.to_json()) == sampling
+    # the collector's shape before: per-episode limits nested under "limits"
+    old = {"temperature": 1.0, "top_p": 0.9, "max_tokens_per_turn": 32,
+           "limits": {"max_turns": 4, "context_limit": 2048, "system_prompt": "…"}}  # fmt: skip
+    assert GroupSampling.from_json(old) == GroupSampling(
+        top_p=0.9, max_tokens_per_turn=32, max_turns=4, context_limit=2048
+    )
+    # tests' and synthetic runs' shape before: max_tokens
+    assert GroupSampling.from_json({"max_tokens": 256}).max_tokens_per_turn == 256
+    assert GroupSampling.from_json({"endpoint": "http://x/v1", "model": "m"}).model == "m"
