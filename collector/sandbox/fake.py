@@ -6,6 +6,13 @@ Absolute sandbox paths map to ``root/<path>`` (``/workspace/a.py`` → ``root/wo
 extended API as :class:`~collector.sandbox.podman.PodmanSandbox` (``stat``, ``probe``,
 ``read_file(limit=)``, ``read_lines``, ``list_tree``, ``kill_all``, ``grade``,
 ``copy_in(replace=)``, ``exec(clean_env=)``). No isolation at all: tests only.
+
+The one fake of the sandbox Protocols (``Sandbox`` and ``ToolSandbox``). For tests of the
+rollout loop rather than of the tools, ``scripted=True`` answers every command with
+``ran: <command>`` (and ``cat``/``head -c`` of a file with its content) instead of running
+bash; ``files`` reads and writes the sandbox's files by sandbox path; ``copied`` records
+``copy_in`` calls; ``die()`` makes every later call raise ``SandboxError``. The folder is
+removed by ``close()``, or when the fake is garbage-collected.
 """
 
 from __future__ import annotations
@@ -16,29 +23,53 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 
 from collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, GradeResult
+from sandpiper.errors import SandboxError
 
 Handler = Callable[[str, Mapping[str, str]], ExecResult]
 
 
 class FakeSandbox:
-    """A temp-folder sandbox. ``close()`` removes the folder."""
+    """A temp-folder sandbox (see the module docstring)."""
 
-    def __init__(self, *, handler: Handler | None = None, output_cap_bytes: int = 16_384) -> None:
+    def __init__(
+        self,
+        sandbox_id: str | None = None,
+        *,
+        handler: Handler | None = None,
+        scripted: bool = False,
+        output_cap_bytes: int = 16_384,
+    ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="sandpiper-fake-"))
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
         (self.root / "workspace").mkdir()
         (self.root / "tmp").mkdir()
+        self._id = sandbox_id or f"fake-{self.root.name}"
         self.handler = handler
+        self.scripted = scripted
         self.output_cap_bytes = output_cap_bytes
         self.commands: list[str] = []
+        self.copied: list[tuple[Path, str]] = []
         self.killed = 0
+        self.dead = False
+        self.closed = False
+        self.files: MutableMapping[str, bytes] = _Files(self)
 
     @property
     def id(self) -> str:
-        return f"fake-{self.root.name}"
+        return self._id
+
+    def die(self) -> None:
+        """Every later call raises ``SandboxError`` (the container died)."""
+        self.dead = True
+
+    def _check(self) -> None:
+        if self.dead:
+            raise SandboxError(f"sandbox {self._id} died")
 
     def host_path(self, path: str) -> Path:
         if not path.startswith("/"):
@@ -54,10 +85,13 @@ class FakeSandbox:
         env: Mapping[str, str] | None = None,
         clean_env: bool = False,
     ) -> ExecResult:
+        self._check()
         self.commands.append(command)
         env = dict(env or {})
         if self.handler is not None:
             return self.handler(command, env)
+        if self.scripted:
+            return self._scripted(command)
         if command == "pwd":  # no persistent shell here: its folder is always /workspace
             return ExecResult("/workspace\n", "", 0, ExecOutcome.OK, 0.0, 11, 0)
         mapped = {k: str(self.host_path(v)) if v.startswith("/") else v for k, v in env.items()}
@@ -85,7 +119,18 @@ class FakeSandbox:
             stderr_bytes_total=len(err),
         )
 
+    def _scripted(self, command: str) -> ExecResult:
+        if command.startswith(("cat -- ", "head -c ")):
+            path = command.split(" -- ", 1)[1].strip("'")
+            if path in self.files:
+                out = self.files[path].decode()
+                return ExecResult(out, "", 0, ExecOutcome.OK, 0.1, len(out), 0)
+            return ExecResult("", "no such file", 1, ExecOutcome.OK, 0.1, 0, 12)
+        out = f"ran: {command}\n"
+        return ExecResult(out, "", 0, ExecOutcome.OK, 0.1, len(out), 0)
+
     async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        self._check()
         target = self.host_path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         existed = target.exists()
@@ -94,6 +139,7 @@ class FakeSandbox:
             target.chmod(mode)
 
     async def read_file(self, path: str, *, limit: int | None = None) -> bytes:
+        self._check()
         fd = _open_regular(self.host_path(path))
         with os.fdopen(fd, "rb") as f:
             return f.read() if limit is None else f.read(limit)
@@ -142,12 +188,15 @@ class FakeSandbox:
         return found
 
     async def copy_in(self, host_dir: Path, container_dir: str, *, replace: bool = False) -> None:
+        self._check()
+        self.copied.append((host_dir, container_dir))
         target = self.host_path(container_dir)
         if replace and target.exists():
             shutil.rmtree(target)
         shutil.copytree(host_dir, target, dirs_exist_ok=True)
 
     async def copy_out(self, container_dir: str, host_dir: Path) -> None:
+        self._check()
         shutil.copytree(self.host_path(container_dir), host_dir, dirs_exist_ok=True)
 
     async def grade(self, request: GradeRequest) -> GradeResult:
@@ -190,12 +239,46 @@ class FakeSandbox:
         self.killed += 1
 
     async def reset(self) -> None:
+        self._check()
         for sub in ("workspace", "tmp"):
             shutil.rmtree(self.root / sub)
             (self.root / sub).mkdir()
 
     async def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        self.closed = True
+        self._cleanup()
+
+
+class _Files(MutableMapping[str, bytes]):
+    """The sandbox's regular files by absolute sandbox path (``/workspace/a.py``)."""
+
+    def __init__(self, box: FakeSandbox) -> None:
+        self._box = box
+
+    def __getitem__(self, path: str) -> bytes:
+        target = self._box.host_path(path)
+        if not target.is_file():
+            raise KeyError(path)
+        return target.read_bytes()
+
+    def __setitem__(self, path: str, data: bytes) -> None:
+        target = self._box.host_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+    def __delitem__(self, path: str) -> None:
+        try:
+            self._box.host_path(path).unlink()
+        except FileNotFoundError:
+            raise KeyError(path) from None
+
+    def __iter__(self) -> Iterator[str]:
+        for p in sorted(self._box.root.rglob("*")):
+            if p.is_file():
+                yield "/" + p.relative_to(self._box.root).as_posix()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 _KINDS = (

@@ -17,9 +17,14 @@ from collector.parsers import (
 from collector.policy import TokenPolicy
 from collector.render import ChatRenderer
 from collector.sandbox.base import ExecOutcome, ExecResult
+from collector.sandbox.fake import FakeSandbox
 from collector.tasks import Task
 from store.records import Role, StopReason, ToolErrorKind
-from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, FakeSandbox, FakeToolbox, ScriptedPolicy
+from tests.fixtures.collector import (
+    FAKE_TOOL_SCHEMAS,
+    FakeToolbox,
+    ScriptedPolicy,
+)
 
 MATH = Task("t1", "What is 6*7?", {"reward": "math", "answer": "42"}, "unit", "jsonl_math")
 
@@ -102,7 +107,9 @@ def test_episode_runs_blocks_reports_format_errors_and_submits_by_sentinel(tiny_
         "I think the answer is 42.",  # no block: told the protocol, not the end
         f"```bash\necho {SUBMIT_SENTINEL} && echo 42\n```",
     ]
-    episode, policy, toolbox, renderer = _episode(tiny_tokenizer, replies, EchoSandbox())
+    episode, policy, toolbox, renderer = _episode(
+        tiny_tokenizer, replies, EchoSandbox(scripted=True)
+    )
     assert episode.stop_reason is StopReason.SUBMITTED
     assert episode.reward == 1.0  # the sentinel's remaining output is the answer
     assert [t.role for t in episode.turns] == [Role.USER] + [Role.ASSISTANT, Role.TOOL] * 2 + [
@@ -129,7 +136,7 @@ def test_episode_runs_blocks_reports_format_errors_and_submits_by_sentinel(tiny_
 
 def test_a_bare_sentinel_submits_without_an_answer(tiny_tokenizer):
     episode, _, toolbox, _ = _episode(
-        tiny_tokenizer, [f"```bash\necho {SUBMIT_SENTINEL}\n```"], EchoSandbox()
+        tiny_tokenizer, [f"```bash\necho {SUBMIT_SENTINEL}\n```"], EchoSandbox(scripted=True)
     )
     assert episode.stop_reason is StopReason.SUBMITTED
     assert toolbox.calls == [
@@ -151,7 +158,7 @@ def test_the_demo_teacher_answers_in_bash_blocks(tiny_tokenizer):
 
 def _episode_with(tokenizer, client, instruction):
     task = Task("d1", instruction, {"reward": "exact", "answer": "1"}, "unit", "jsonl_math")
-    sandbox = EchoSandbox()
+    sandbox = EchoSandbox(scripted=True)
     toolbox = FakeToolbox(sandbox)
     renderer = ChatRenderer(tokenizer, FAKE_TOOL_SCHEMAS, action_format="bash_block")
     episode = asyncio.run(

@@ -11,14 +11,15 @@ import pytest
 from collector.agent import EpisodeLimits, run_episode
 from collector.policy import TokenPolicy
 from collector.render import ChatRenderer
+from collector.sandbox.fake import FakeSandbox
 from collector.tasks import Task
 from sandpiper.errors import InferenceError, SandboxError, SandboxLostError
 from store.records import Role, StopReason, ToolErrorKind
 from tests.fixtures.collector import (
     FAKE_TOOL_SCHEMAS,
-    FakeSandbox,
     FakeToolbox,
     ScriptedPolicy,
+    scripted_sandbox,
 )
 
 BASH_LS = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "ls"}}\n</tool_call>'
@@ -28,7 +29,7 @@ MATH = Task("t1", "What is 6*7?", {"reward": "math", "answer": "42"}, "unit", "j
 
 def _run(tokenizer, replies, *, task=MATH, limits=EpisodeLimits(), sandbox=None, test_reward=None):
     policy = ScriptedPolicy(tokenizer, replies, version=3)
-    sandbox = sandbox or FakeSandbox()
+    sandbox = sandbox or scripted_sandbox()
     toolbox = FakeToolbox(sandbox, test_reward=test_reward)
     renderer = ChatRenderer(tokenizer, FAKE_TOOL_SCHEMAS)
     episode = asyncio.run(
@@ -119,7 +120,7 @@ def test_tests_reward_and_answer_file(tiny_tokenizer, tmp_path):
         test_reward=0.5,
     )
     assert episode.reward == 0.5 and episode.reward_breakdown["test_details"]["total"] == 1
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
     sandbox.files["/workspace/answer.txt"] = b"42\n"
     lis = Task(
         "t3",
@@ -185,7 +186,7 @@ def test_a_sandbox_broken_by_the_agent_is_graded_a_lost_one_invalid(
 ):
     """docs/security.md, outcome classes: what the agent's commands do to its sandbox is its
     outcome (graded, here 0: no answer); only a container lost to the host is invalid."""
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
 
     class Dying(FakeToolbox):
         async def call(self, name, arguments):
@@ -212,7 +213,7 @@ def test_dead_sandbox_before_start_and_model_errors_are_invalid(tiny_tokenizer, 
     (tmp_path / "files").mkdir()
     (tmp_path / "instruction.md").write_text("x")
     task = Task("t4", "x", {"reward": "exact", "answer": "1"}, "u", "folder", data_dir=tmp_path)
-    dead = FakeSandbox()
+    dead = scripted_sandbox()
     dead.die()
     episode, *_ = _run(tiny_tokenizer, [SUBMIT_42], task=task, sandbox=dead)
     # before the agent acted: not its doing
@@ -245,11 +246,11 @@ def test_seed_files_and_setup_script_run_first_and_a_broken_setup_is_a_task_erro
                 return ExecResult("", "boom", 3, ExecOutcome.OK, 1.0, 0, 4)
             return await super().exec(command, **kwargs)
 
-    ok_box = FakeSandbox()
+    ok_box = scripted_sandbox()
     episode, *_ = _run(tiny_tokenizer, [SUBMIT_42], task=task, sandbox=ok_box)
     assert ok_box.copied == [(tmp_path / "files", "/workspace")]
     assert ok_box.files["/tmp/sandpiper_setup.sh"] == b"exit 3\n" and episode.valid
-    broken = FailingSetup()
+    broken = FailingSetup(scripted=True)
     episode, policy, *_ = _run(tiny_tokenizer, [SUBMIT_42], task=task, sandbox=broken)
     assert episode.stop_reason is StopReason.TASK_ERROR and not episode.valid
     assert episode.reward is None
@@ -268,7 +269,7 @@ def test_real_toolbox_turns_bad_calls_into_observations(tiny_tokenizer):
         + '"}}\n</tool_call>',
         "I give up.",
     ]
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
     toolbox = Toolbox(
         sandbox, tests_dir=None, test_command=None, test_timeout_s=5, exec_timeout_s=5
     )
@@ -297,7 +298,7 @@ def test_a_collector_bug_in_one_episode_is_its_recorded_error_with_a_traceback(
 ):
     """A genuine bug stays visible (logged with its traceback, recorded as the episode's
     error) but ends only its own episode, which is invalid (the policy did not cause it)."""
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
 
     class Buggy(FakeToolbox):
         async def call(self, name, arguments):
@@ -331,7 +332,7 @@ def test_run_pooled_episode_contains_an_exception_of_the_episode_and_replaces_it
 
     class Pool:
         async def acquire(self, **_):
-            return FakeSandbox("box-1")
+            return scripted_sandbox("box-1")
 
         async def release(self, sandbox, *, broken=False):
             released.append((sandbox.id, broken))

@@ -13,7 +13,7 @@ from collector.chat_policy import ChatEndpoint, ChatPolicy
 from collector.tasks import Task
 from sandpiper.errors import TaskError
 from store.records import Role, StopReason, ToolErrorKind
-from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, FakeSandbox, FakeToolbox
+from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, FakeToolbox, scripted_sandbox
 
 TASK = Task("t", "6*7?", {"reward": "math", "answer": "42"}, "unit", "jsonl_math")
 
@@ -42,7 +42,7 @@ LIMITS = EpisodeLimits(max_turns=4, max_tokens_per_turn=64, temperature=0.0)
 
 def _run(replies: list[dict], *, task=TASK, sandbox=None, schemas=FAKE_TOOL_SCHEMAS):
     endpoint, seen = _endpoint(replies)
-    sandbox = sandbox or FakeSandbox()
+    sandbox = sandbox or scripted_sandbox()
     episode = asyncio.run(
         run_episode(
             episode_id="e", sample_index=0, task=task, policy=ChatPolicy(endpoint, schemas),
@@ -89,7 +89,7 @@ def test_endpoint_failure_is_invalid():
         return httpx.Response(503, text="overloaded")
 
     endpoint = ChatEndpoint("http://x", "m", transport=httpx.MockTransport(handler))
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
     episode = asyncio.run(
         run_episode(
             episode_id="e", sample_index=0, task=TASK,
@@ -106,7 +106,7 @@ def test_eval_reads_the_answer_file_as_training_does():
         "f", "q", {"reward": "exact", "answer": "42", "answer_file": "/workspace/answer.txt"},
         "unit", "llm_in_sandbox",
     )  # fmt: skip
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
     sandbox.files["/workspace/answer.txt"] = b"42\n"
     episode, _ = _run(
         [{"role": "assistant", "content": "", "tool_calls": [_call("submit", "{}")]}],
@@ -137,7 +137,7 @@ class _Pool:
     async def acquire(self, *, episode_id, task_id, image=None):
         if self.fail is not None:
             raise self.fail
-        return FakeSandbox()
+        return scripted_sandbox()
 
     async def release(self, sandbox, *, broken=False):
         self.released.append(broken)
@@ -181,7 +181,7 @@ def test_token_budget_and_context_limit_end_the_episode_as_in_training():
         return httpx.Response(200, json={**reply, "usage": {"completion_tokens": 40}})
 
     endpoint = ChatEndpoint("http://x", "m", transport=httpx.MockTransport(handler))
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
     limits = EpisodeLimits(max_turns=5, max_tokens_per_turn=64, max_episode_tokens=64)
     episode = asyncio.run(
         run_episode(

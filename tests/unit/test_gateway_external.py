@@ -18,7 +18,12 @@ from collector.render import ChatRenderer
 from collector.tasks import Task
 from collector.tools.base import ToolResult
 from store.records import Role, StopReason, ToolErrorKind
-from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, FakeSandbox, FakeToolbox, ScriptedPolicy
+from tests.fixtures.collector import (
+    FAKE_TOOL_SCHEMAS,
+    FakeToolbox,
+    ScriptedPolicy,
+    scripted_sandbox,
+)
 
 BASH_LS = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "ls"}}\n</tool_call>'
 
@@ -66,7 +71,7 @@ def _episode(tokenizer, replies, *, calls=2, exit_code=0, timeout_s=60.0, limits
     )  # fmt: skip
     policy = ScriptedPolicy(tokenizer, replies, version=4)
     renderer = ChatRenderer(tokenizer, FAKE_TOOL_SCHEMAS)
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
     toolbox = toolbox_type(sandbox, test_reward=1.0)
     limits = limits or EpisodeLimits()
 
@@ -154,7 +159,7 @@ def test_mini_swe_agent_unmodified_through_the_gateway(tiny_tokenizer, repo_root
         "unit", "jsonl",
     )  # fmt: skip
     policy = ScriptedPolicy(tiny_tokenizer, [ls, done, "no action"], version=2)
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
 
     async def main():
         gw = Gateway(client=policy, renderer=ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS),

@@ -20,7 +20,12 @@ from collector.render import ChatRenderer
 from collector.tasks import import_tasks, load_task_folder, load_tasks
 from sandpiper.errors import TaskError
 from store.records import StopReason
-from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, FakeSandbox, FakeToolbox, ScriptedPolicy
+from tests.fixtures.collector import (
+    FAKE_TOOL_SCHEMAS,
+    FakeToolbox,
+    ScriptedPolicy,
+    scripted_sandbox,
+)
 
 OPEN_INSTRUCT_TEST_SH = """#!/bin/bash
 set -e
@@ -75,7 +80,7 @@ def test_open_instruct_folder_as_open_instruct_writes_it(tmp_path):
 
 def test_open_instruct_missing_test_script_is_one_invalid_episode(tiny_tokenizer, tmp_path):
     task = load_task_folder(open_instruct_task(tmp_path, test_sh=False))
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
     policy = ScriptedPolicy(tiny_tokenizer, ["never asked"])
     episode = asyncio.run(
         run_episode(
@@ -152,7 +157,7 @@ def test_llm_in_sandbox_answer_file_is_scored_by_domain(tiny_tokenizer, tmp_path
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in LIS_ROWS))
     _, bio = import_tasks(src, tmp_path / "out")
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
     sandbox.files["/workspace/answer.txt"] = b"The answer is B\n"
     submit = '<tool_call>{"name": "submit", "arguments": {}}</tool_call>'
     episode = asyncio.run(
@@ -353,7 +358,7 @@ def test_a_bad_banned_pattern_is_one_invalid_episode(tiny_tokenizer, tmp_path):
     src = tmp_path / "t.jsonl"
     src.write_text(json.dumps({"prompt": "2+2?", "answer": "4", "banned_patterns": "rm"}) + "\n")
     (task,) = load_tasks(src)
-    sandbox = FakeSandbox()
+    sandbox = scripted_sandbox()
     submit = '<tool_call>{"name": "submit", "arguments": {"answer": "4"}}</tool_call>'
     episode = asyncio.run(
         run_episode(
