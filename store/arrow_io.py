@@ -146,7 +146,39 @@ def group_status(group: GroupRecord) -> GroupStatus:
 
 
 def groups_to_arrow(groups: Sequence[GroupRecord], now: datetime) -> dict[str, pa.Table]:
-    """Flatten whole groups into one Arrow table per bulk table (keys: table names).
+    """Flatten whole groups into one Arrow table per bulk table (keys: table names); see
+    :func:`convert_groups`, which also says whether the sampler output looks sound."""
+    return convert_groups(groups, now)[0]
+
+
+def _finite(col: pa.ChunkedArray | pa.Array) -> bool:
+    """True when every value of a packed float32 column is finite: one vectorised pass over
+    a view of each chunk's values buffer (no copy). Bytes under a null row (none, as
+    :func:`_packed_array` builds them) would count too: at worst a needless closer look."""
+    for c in _chunks(col):
+        if pa.types.is_null(c.type) or c.null_count == len(c):
+            continue
+        off = _offsets(c)
+        lo, hi, data = int(off[0]), int(off[-1]), c.buffers()[2]
+        if data is None or hi == lo:
+            continue
+        if lo % 4 or (hi - lo) % 4:
+            return False
+        if not np.isfinite(np.frombuffer(data, "<f4", (hi - lo) // 4, lo)).all():
+            return False
+    return True
+
+
+def convert_groups(
+    groups: Sequence[GroupRecord], now: datetime
+) -> tuple[dict[str, pa.Table], bool]:
+    """Flatten whole groups into one Arrow table per bulk table (keys: table names), and
+    whether every stored logprob is finite and every stored policy version an integer >= 0.
+
+    The flag is the ingest check of :mod:`store.validation` done on the buffers this
+    conversion concatenates anyway (~0.01 s instead of ~0.03 s CPU per 2,000 trajectories ×
+    20 turns × 500 tokens): when it is True no episode needs invalidating. False only says
+    "look closer": it also covers turns that are not trainable, which the check ignores.
 
     Column-wise, not row by row: per-token work (packing, version change points, version
     ranges) runs once on buffers concatenated over the whole batch (see :func:`_versions`);
@@ -251,13 +283,14 @@ def groups_to_arrow(groups: Sequence[GroupRecord], now: datetime) -> dict[str, p
         "timed_out": [c.timed_out for c in calls],
         "error_kind": [str(c.error_kind) for c in calls],
     }
-    return {
+    tables = {
         "groups": _table(schema.groups, g_cols),
         "group_states": _table(schema.group_states, s_cols),
         "episodes": _table(schema.episodes, e_cols),
         "turns": _table(schema.turns, t_cols),
         "tool_calls": _table(schema.tool_calls, c_cols),
     }
+    return tables, versions.sound and _finite(tables["turns"]["logprobs"])
 
 
 def only_groups(tables: dict[str, pa.Table], group_ids: Sequence[str]) -> dict[str, pa.Table]:
@@ -277,6 +310,8 @@ class _Versions:
     """Per turn: :func:`version_runs`' change points."""
     episode_ranges: list[tuple[int, int] | None]
     """Per episode: ``EpisodeRecord.policy_version_range``."""
+    sound: bool
+    """Every version is an integer >= 0 (stored as given; see :func:`convert_groups`)."""
 
 
 def _versions(per_turn: list[np.ndarray | None], turns_per_episode: list[int]) -> _Versions:
@@ -286,8 +321,16 @@ def _versions(per_turn: list[np.ndarray | None], turns_per_episode: list[int]) -
     lengths = np.fromiter((0 if v is None else len(v) for v in per_turn), np.int64, n_turns)
     present = [v for v in per_turn if v is not None and len(v)]
     if not present:
-        return _Versions([None] * n_turns, [None] * n_turns, [None] * len(turns_per_episode))
-    flat = np.concatenate([np.asarray(v) for v in present]).astype(np.int64)
+        return _Versions(
+            [None] * n_turns, [None] * n_turns, [None] * len(turns_per_episode), sound=True
+        )
+    joined = np.concatenate([np.asarray(v) for v in present])
+    integers = joined.dtype.kind in "iu"  # one float array makes the whole buffer float
+    if integers:
+        flat = joined.astype(np.int64)
+    else:  # not sound: tables that fit, which the caller re-makes after store.validation
+        finite = np.nan_to_num(joined.astype(np.float64), nan=-1, posinf=-1, neginf=-1)
+        flat = finite.clip(-1, np.iinfo(np.int32).max).astype(np.int64)
     starts = np.zeros(n_turns, np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     has = lengths > 0
@@ -314,7 +357,7 @@ def _versions(per_turn: list[np.ndarray | None], turns_per_episode: list[int]) -
         for i, a, b in zip(nonempty.tolist(), mins, maxs, strict=True):
             if b >= 0:
                 ranges[i] = (a, b)
-    return _Versions(first, changes, ranges)
+    return _Versions(first, changes, ranges, sound=integers and bool(known.all()))
 
 
 TRAIN_TURN_COLUMNS = (

@@ -104,6 +104,43 @@ def test_store_counts_them_invalid_and_the_learner_never_sees_them(tmp_path) -> 
     assert all(e.valid for e in batch.groups[0].episodes[1:])
 
 
+@pytest.mark.parametrize(
+    ("arrays", "sound"),
+    [
+        ({}, True),
+        ({"logprobs_T": _logprobs(8, (3, np.inf))}, False),
+        ({"policy_versions_T": np.full(8, -1, np.int32)}, False),
+        ({"policy_versions_T": np.full(8, 0.0)}, False),  # floats: check_group decides
+        ({"policy_versions_T": np.full(8, np.nan)}, False),
+    ],
+)
+def test_the_conversion_flags_what_validation_must_look_at(arrays, sound) -> None:
+    """Ingest checks the buffers ``convert_groups`` concatenates anyway; only a batch it
+    flags goes through ``check_group``. A flagged batch still converts (NaN versions too)."""
+    from datetime import UTC, datetime
+
+    from store import arrow_io
+
+    group = _spoil(make_group("g", n_episodes=2, tokens_per_turn=8), 1, 1, **arrays)
+    tables, ok = arrow_io.convert_groups([make_group("h", tokens_per_turn=8), group],
+                                         datetime.now(UTC))  # fmt: skip
+    assert ok is sound
+    assert tables["turns"].num_rows == (4 + 2) * 3  # episodes × turns
+
+
+def test_a_flagged_batch_whose_groups_are_sound_is_stored_as_converted(tmp_path) -> None:
+    """A NaN logprob on a turn that is not trainable flags the batch, but check_group finds
+    nothing wrong: every episode is stored valid, the NaN kept."""
+    store = Store(f"duckdb:///{tmp_path / 's.duckdb'}")
+    store.init()
+    group = make_group("g", run_id="r", n_episodes=2, tokens_per_turn=8)
+    group = _spoil(group, 0, 0, logprobs_T=_logprobs(8, (1, np.nan)))  # turn 0: a prompt
+    assert store.write_groups([group]) == 1
+    with store.connect_readonly() as conn:
+        valid = conn.exec_driver_sql("SELECT count(*) FROM episodes WHERE valid").scalar()
+    assert valid == 2
+
+
 def test_packing_refuses_a_non_finite_logprob_on_a_loss_token() -> None:
     ids = np.arange(1, 7, dtype=np.int32)
     mask = np.array([False, False, True, True, True, True])
