@@ -326,8 +326,11 @@ def _versions(per_turn: list[np.ndarray | None], turns_per_episode: list[int]) -
         )
     joined = np.concatenate([np.asarray(v) for v in present])
     integers = joined.dtype.kind in "iu"  # one float array makes the whole buffer float
-    if integers:
-        flat = joined.astype(np.int64)
+    if integers:  # int32 stays int32 (the usual dtype): half the bytes to scan, no copy
+        narrow = joined.dtype.itemsize < 4 or (
+            joined.dtype.itemsize == 4 and joined.dtype.kind == "i"
+        )
+        flat = joined.astype(np.int32 if narrow else np.int64, copy=False)
     else:  # not sound: tables that fit, which the caller re-makes after store.validation
         finite = np.nan_to_num(joined.astype(np.float64), nan=-1, posinf=-1, neginf=-1)
         flat = finite.clip(-1, np.iinfo(np.int32).max).astype(np.int64)
@@ -347,8 +350,10 @@ def _versions(per_turn: list[np.ndarray | None], turns_per_episode: list[int]) -
     np.cumsum(turns_per_episode, out=ep_bounds[1:])
     tok_bounds = np.r_[starts, len(flat)][ep_bounds]
     known = flat >= 0
-    lo = np.where(known, flat, np.iinfo(np.int64).max)
-    hi = np.where(known, flat, -1)
+    all_known = bool(known.all())
+    # the usual case needs no masked copies (each would be fresh memory the size of flat)
+    lo = flat if all_known else np.where(known, flat, np.iinfo(flat.dtype).max)
+    hi = flat if all_known else np.where(known, flat, -1)
     nonempty = np.flatnonzero(tok_bounds[1:] > tok_bounds[:-1])
     ranges: list[tuple[int, int] | None] = [None] * len(turns_per_episode)
     if len(nonempty):
@@ -357,7 +362,7 @@ def _versions(per_turn: list[np.ndarray | None], turns_per_episode: list[int]) -
         for i, a, b in zip(nonempty.tolist(), mins, maxs, strict=True):
             if b >= 0:
                 ranges[i] = (a, b)
-    return _Versions(first, changes, ranges, sound=integers and bool(known.all()))
+    return _Versions(first, changes, ranges, sound=integers and all_known)
 
 
 TRAIN_TURN_COLUMNS = (
