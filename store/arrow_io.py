@@ -344,7 +344,9 @@ def _versions(per_turn: list[np.ndarray | None], turns_per_episode: list[int]) -
     at = np.flatnonzero(flat[1:] != flat[:-1]) + 1
     at = at[~np.isin(at, starts[has])]  # a new turn starting is not a change inside a turn
     for i in np.unique(np.searchsorted(starts, at, side="right") - 1).tolist():
-        changes[i] = version_runs(per_turn[i])[1]  # only turns sampled across an update
+        # only turns sampled across an update; from flat, whose values are the turn's own
+        # (floats made finite integers: a batch with those is re-made after validation)
+        changes[i] = version_runs(flat[starts[i] : starts[i] + lengths[i]])[1]
     # per-episode (min, max) over non-negative versions (-1 marks an unknown version)
     ep_bounds = np.zeros(len(turns_per_episode) + 1, np.int64)
     np.cumsum(turns_per_episode, out=ep_bounds[1:])

@@ -86,6 +86,8 @@ def test_store_counts_them_invalid_and_the_learner_never_sees_them(tmp_path) -> 
     kept = _spoil(make_group("kept", run_id="r", n_episodes=3, tokens_per_turn=8), 0, 1, **nan)
     lost = make_group("lost", run_id="r", n_episodes=2, tokens_per_turn=8)
     lost = _spoil(lost, 1, 1, policy_versions_T=np.full(8, np.nan))
+    mixed = np.array([0, np.nan, 0, 1, 1, 1, 2.5, 1])  # change points made of bad values
+    lost = _spoil(lost, 0, 1, policy_versions_T=mixed)
     assert store.write_groups([kept, lost]) == 2
     with store.connect_readonly() as conn:
         import sqlalchemy as sa
@@ -93,7 +95,7 @@ def test_store_counts_them_invalid_and_the_learner_never_sees_them(tmp_path) -> 
         rows = conn.execute(
             sa.text("SELECT group_id, stop_reason, valid, error FROM episodes WHERE NOT valid")
         ).all()
-    assert sorted(r.group_id for r in rows) == ["kept", "lost"]
+    assert sorted(r.group_id for r in rows) == ["kept", "lost", "lost"]
     assert all(r.stop_reason == "bad_sampler_output" and "bad sampler output" in r.error
                for r in rows)  # fmt: skip
     assert store.group_ids("r", GroupStatus.INVALID) == ["lost"]
@@ -112,6 +114,7 @@ def test_store_counts_them_invalid_and_the_learner_never_sees_them(tmp_path) -> 
         ({"policy_versions_T": np.full(8, -1, np.int32)}, False),
         ({"policy_versions_T": np.full(8, 0.0)}, False),  # floats: check_group decides
         ({"policy_versions_T": np.full(8, np.nan)}, False),
+        ({"policy_versions_T": np.array([0, np.nan, 0, 1, 1, 1, 2.5, 1])}, False),
     ],
 )
 def test_the_conversion_flags_what_validation_must_look_at(arrays, sound) -> None:
