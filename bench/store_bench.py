@@ -27,11 +27,19 @@ Figures (one line each; with ``--json`` the last line is one JSON object):
   pays one-off costs that would land on whichever side ran first).
 
 Where the time goes (issue 17, CPU per 2,000-trajectory batch, details in
-docs/perf-issue17.md): records → Arrow ~0.23 s (shared by both sides), validation ~0.03 s,
-the DuckDB insert ~0.26 s (the turns table alone 0.22 s: DuckDB taking in and zstd-ing
-120 MB of packed arrays) plus commit/detach ~0.04 s, against pyarrow's Parquet + zstd write
-of ~0.09 s. A ratio of 0.8 leaves the store side ~0.17 s, and the turns insert alone takes
-0.22 s: out of reach with this layout on DuckDB 2.0. A 64-group claim: ~80 ms CPU (attach 2,
+docs/perf-issue17.md): records → Arrow ~0.23 s (shared by both sides), validation ~0.01 s
+(~0.03 s before session 6: it now checks the buffers the conversion builds), the DuckDB
+insert ~0.26 s (the turns table alone 0.18–0.22 s: DuckDB taking in and zstd-ing 120 MB of
+packed arrays) plus commit/detach ~0.04 s, against pyarrow's Parquet + zstd write of
+~0.09 s. A ratio of 0.8 leaves the store side ~0.17 s, and the turns insert alone takes
+about that: out of reach with this layout on DuckDB 2.0. Compressing the arrays ourselves
+was measured in session 6 and not adopted: a zstd frame per turn is 47 MB of token ids per
+batch where the whole file holds 14.2 MB (the data's repeats are across turns), and
+frames of 1,280 turns in a chunk table brought the store side to ~0.22 s (ratio ≈ 0.71)
+while the file grew 30 %. Back to back in session 6 (load 3.6–16): store CPU per default
+batch 0.83–1.20 s before, 0.53–0.72 s after, 4.5–4.6 → 2.5–3.0 s at ``--full``; the ratio
+within noise (``--full`` 0.35 → 0.58 at load 4, 0.66 → 0.67 at load 7–16): much of the
+saving is in the conversion the Parquet side shares. A 64-group claim: ~80 ms CPU (attach 2,
 SQL 11, scan 34, numpy 34, commit + detach 5), ~145 ms before session 5, when every
 transaction created a DuckDB database (~20 ms) and the numpy step made temporary copies.
 PostgreSQL: 178 MB for 2,000 trajectories (24× Parquet): TOAST compresses values one by one.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 
+import pyarrow as pa
 import sqlalchemy as sa
 
 from store import arrow_io, collectors, schema
@@ -90,13 +91,28 @@ def _finish_slots(store, conn: sa.Connection, groups: list[GroupRecord], now) ->
     }
 
 
-def write(store, groups: list[GroupRecord]) -> WriteReport:
+def _checked_tables(groups: list[GroupRecord], now: datetime) -> dict[str, pa.Table]:
+    """The Arrow tables of ``groups`` with episodes of unusable sampler output stored
+    invalid (:mod:`store.validation`). Converted first and checked on the converted buffers
+    (the usual case: one pass); only a batch with a suspect value goes through
+    :func:`~store.validation.check_group` group by group, and is converted again if that
+    changed anything."""
     from store.validation import check_group
 
+    tables, sound = arrow_io.convert_groups(groups, now)
+    if sound:
+        return tables
+    checked = [check_group(g) for g in groups]
+    if all(a is b for a, b in zip(checked, groups, strict=True)):
+        return tables
+    return arrow_io.groups_to_arrow(checked, now)
+
+
+def write(store, groups: list[GroupRecord]) -> WriteReport:
     outcomes: dict[str, WriteOutcome] = {}
     batch: dict[str, GroupRecord] = {}
-    # episodes with unusable sampler output are stored invalid (store.validation)
-    for g in (check_group(g) for g in groups):
+    # (check_group leaves episode ids as they are: the checks below need no validated copy)
+    for g in groups:
         first = batch.get(g.group_id)
         if first is None:
             batch[g.group_id] = g
@@ -110,7 +126,8 @@ def write(store, groups: list[GroupRecord]) -> WriteReport:
     # the learner's claim wait on); the groups found stored or superseded inside are
     # filtered out of these tables, which in the usual case is none of them.
     candidates = [g for gid, g in batch.items() if gid not in outcomes]
-    all_tables = arrow_io.groups_to_arrow(candidates, now) if candidates else None
+    # episodes with unusable sampler output are stored invalid (store.validation)
+    all_tables = _checked_tables(candidates, now) if candidates else None
     with store._write() as conn:
         stored = _stored_episodes(conn, list(batch))
         pending: list[GroupRecord] = []

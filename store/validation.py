@@ -11,7 +11,10 @@ keep their non-finite values, the original stop reason and reward move into
 (which ``EpisodeRecord.policy_version_range`` skips). The group's status then follows from its
 valid episodes as usual (too few valid: ``invalid``).
 
-:func:`check_group` is pure and idempotent; ``Store.write_groups`` applies it to every group.
+:func:`check_group` is pure and idempotent. ``Store.write_groups`` converts a batch to Arrow
+first and checks the converted buffers in one pass (``arrow_io.convert_groups``); only a
+batch with a suspect value goes through :func:`check_group` (``store.ingest``), so every
+group ends up as if it had been checked.
 """
 
 from __future__ import annotations

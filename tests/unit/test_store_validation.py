@@ -86,6 +86,8 @@ def test_store_counts_them_invalid_and_the_learner_never_sees_them(tmp_path) -> 
     kept = _spoil(make_group("kept", run_id="r", n_episodes=3, tokens_per_turn=8), 0, 1, **nan)
     lost = make_group("lost", run_id="r", n_episodes=2, tokens_per_turn=8)
     lost = _spoil(lost, 1, 1, policy_versions_T=np.full(8, np.nan))
+    mixed = np.array([0, np.nan, 0, 1, 1, 1, 2.5, 1])  # change points made of bad values
+    lost = _spoil(lost, 0, 1, policy_versions_T=mixed)
     assert store.write_groups([kept, lost]) == 2
     with store.connect_readonly() as conn:
         import sqlalchemy as sa
@@ -93,7 +95,7 @@ def test_store_counts_them_invalid_and_the_learner_never_sees_them(tmp_path) -> 
         rows = conn.execute(
             sa.text("SELECT group_id, stop_reason, valid, error FROM episodes WHERE NOT valid")
         ).all()
-    assert sorted(r.group_id for r in rows) == ["kept", "lost"]
+    assert sorted(r.group_id for r in rows) == ["kept", "lost", "lost"]
     assert all(r.stop_reason == "bad_sampler_output" and "bad sampler output" in r.error
                for r in rows)  # fmt: skip
     assert store.group_ids("r", GroupStatus.INVALID) == ["lost"]
@@ -102,6 +104,44 @@ def test_store_counts_them_invalid_and_the_learner_never_sees_them(tmp_path) -> 
     spoiled = batch.groups[0].episodes[0]
     assert not spoiled.valid and np.isnan(spoiled.behaviour_logprobs_T).any()
     assert all(e.valid for e in batch.groups[0].episodes[1:])
+
+
+@pytest.mark.parametrize(
+    ("arrays", "sound"),
+    [
+        ({}, True),
+        ({"logprobs_T": _logprobs(8, (3, np.inf))}, False),
+        ({"policy_versions_T": np.full(8, -1, np.int32)}, False),
+        ({"policy_versions_T": np.full(8, 0.0)}, False),  # floats: check_group decides
+        ({"policy_versions_T": np.full(8, np.nan)}, False),
+        ({"policy_versions_T": np.array([0, np.nan, 0, 1, 1, 1, 2.5, 1])}, False),
+    ],
+)
+def test_the_conversion_flags_what_validation_must_look_at(arrays, sound) -> None:
+    """Ingest checks the buffers ``convert_groups`` concatenates anyway; only a batch it
+    flags goes through ``check_group``. A flagged batch still converts (NaN versions too)."""
+    from datetime import UTC, datetime
+
+    from store import arrow_io
+
+    group = _spoil(make_group("g", n_episodes=2, tokens_per_turn=8), 1, 1, **arrays)
+    tables, ok = arrow_io.convert_groups([make_group("h", tokens_per_turn=8), group],
+                                         datetime.now(UTC))  # fmt: skip
+    assert ok is sound
+    assert tables["turns"].num_rows == (4 + 2) * 3  # episodes × turns
+
+
+def test_a_flagged_batch_whose_groups_are_sound_is_stored_as_converted(tmp_path) -> None:
+    """A NaN logprob on a turn that is not trainable flags the batch, but check_group finds
+    nothing wrong: every episode is stored valid, the NaN kept."""
+    store = Store(f"duckdb:///{tmp_path / 's.duckdb'}")
+    store.init()
+    group = make_group("g", run_id="r", n_episodes=2, tokens_per_turn=8)
+    group = _spoil(group, 0, 0, logprobs_T=_logprobs(8, (1, np.nan)))  # turn 0: a prompt
+    assert store.write_groups([group]) == 1
+    with store.connect_readonly() as conn:
+        valid = conn.exec_driver_sql("SELECT count(*) FROM episodes WHERE valid").scalar()
+    assert valid == 2
 
 
 def test_packing_refuses_a_non_finite_logprob_on_a_loss_token() -> None:
