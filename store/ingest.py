@@ -19,6 +19,7 @@ both are refused as duplicates.
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 
 import pyarrow as pa
 import sqlalchemy as sa
