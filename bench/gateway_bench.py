@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import itertools
 import json
 import os
@@ -91,7 +92,7 @@ class StubClient:
 # ---- the agent process ------------------------------------------------------------------
 
 
-async def _agent_episode(http, args: argparse.Namespace, i: int) -> list[tuple[float, float]]:
+async def _agent_episode(http, args: argparse.Namespace, i: int) -> list[tuple[float, ...]]:
     from collector.tools import offered_schemas
 
     tools = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")
@@ -103,28 +104,35 @@ async def _agent_episode(http, args: argparse.Namespace, i: int) -> list[tuple[f
         {"role": "system", "content": "You are an agent in a Linux sandbox."},
         {"role": "user", "content": f"Task {i} of {args.tag}: list the files in /workspace."},
     ]
-    pairs = []
+    pairs: list[tuple[float, ...]] = []
     for turn in range(args.turns):
+        body = {"model": "policy", "messages": messages, "tools": tools}
+        # Which of the pair goes first alternates: the second finds the server's prefix
+        # cache holding the whole prompt and the engine just awake, the first does not.
+        direct_first = (i + turn) % 2 == 1
+        if direct_first:  # the same ids, made here from the same history (not timed)
+            d = await http.post(f"{args.control}/direct-first/{eid}", json=body)
+            d.raise_for_status()
         t0 = time.perf_counter()
-        r = await http.post(
-            f"{url}/chat/completions",
-            json={"model": "policy", "messages": messages, "tools": tools},
-        )
+        r = await http.post(f"{url}/chat/completions", json=body)
         via_gateway_ms = (time.perf_counter() - t0) * 1000
         r.raise_for_status()
         reply = r.json()["choices"][0]["message"]
-        d = await http.post(f"{args.control}/direct/{eid}")
-        d.raise_for_status()
-        pairs.append((via_gateway_ms, d.json()["direct_ms"]))
+        if not direct_first:
+            d = await http.post(f"{args.control}/direct/{eid}")
+            d.raise_for_status()
+        pairs.append((via_gateway_ms, d.json()["direct_ms"], float(direct_first)))
         messages.append(reply)
         call_id = (reply.get("tool_calls") or [{"id": "none"}])[0]["id"]
         messages.append({"role": "tool", "tool_call_id": call_id, "content": f"out {turn}"})
+    (await http.post(f"{args.control}/verify/{eid}")).raise_for_status()
     (await http.post(f"{args.gateway}/episodes/{eid}/close")).raise_for_status()
     return pairs
 
 
 async def agent_main(args: argparse.Namespace) -> None:
-    """``--agent``: run the episodes, print [[gateway_ms, direct_ms], ...] as JSON."""
+    """``--agent``: run the episodes, print [[gateway_ms, direct_ms, direct_first], ...] as
+    JSON."""
     import httpx
 
     sem = asyncio.Semaphore(args.concurrency)
@@ -153,8 +161,10 @@ async def measure(
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
+    from collector.gateway import openai_api as api
     from collector.gateway.server import Gateway, GatewaySettings
     from collector.inference.base import SamplingParams
+    from collector.render import ChatRenderer
 
     settings = GatewaySettings(
         model_names=("policy",), temperature=0.0, max_tokens_per_turn=args.max_tokens,
@@ -166,12 +176,42 @@ async def measure(
     )
     cpu_start = [time.process_time()]
 
-    async def direct(request):
-        # the native loop's call: the same prompt ids through the same client, timed here
-        prompt = list(gateway._episodes[request.path_params["eid"]].session.calls[-1].prompt_ids)
+    # The direct call sends exactly the ids the gateway sends (checked). Direct first: the
+    # ids the gateway will build, made by a copy of the episode's session with a renderer of
+    # its own (its caches apart from the gateway's, so this warms none of the gateway's).
+    shadow = ChatRenderer(renderer.tokenizer, renderer.tools, chat_template=renderer.chat_template,
+                          action_format=renderer.action_format)  # fmt: skip
+    expected: dict[str, tuple[int, list[int]]] = {}
+
+    def verify(eid: str) -> None:
+        index, ids = expected.pop(eid, (-1, []))
+        calls = gateway._episodes[eid].session.calls
+        if index >= 0 and (len(calls) <= index or list(calls[index].prompt_ids) != ids):
+            raise RuntimeError(f"episode {eid} call {index}: the gateway sent other ids")
+
+    async def timed(prompt: list[int]) -> JSONResponse:
         t0 = time.perf_counter()
         await client.generate(prompt, params)
         return JSONResponse({"direct_ms": (time.perf_counter() - t0) * 1000})
+
+    async def direct(request):  # after the gateway call: the ids it just sent
+        eid = request.path_params["eid"]
+        verify(eid)
+        return await timed(list(gateway._episodes[eid].session.calls[-1].prompt_ids))
+
+    async def direct_first(request):  # before it: the ids it will send
+        eid = request.path_params["eid"]
+        verify(eid)
+        body = api.parse_body(await request.body())
+        session = copy.copy(gateway._episodes[eid].session)
+        session.renderer = shadow
+        prompt = session.chat_prompt(api.check_messages(body), api.check_tools(body))[0]
+        expected[eid] = (len(session.calls), prompt)
+        return await timed(prompt)
+
+    async def verify_route(request):
+        verify(request.path_params["eid"])
+        return JSONResponse({})
 
     async def start(request):
         cpu_start[0] = time.process_time()  # after the agent's warm-up episode
@@ -185,6 +225,8 @@ async def measure(
     control_app = Starlette(
         routes=[
             Route("/direct/{eid}", direct, methods=["POST"]),
+            Route("/direct-first/{eid}", direct_first, methods=["POST"]),
+            Route("/verify/{eid}", verify_route, methods=["POST"]),
             Route("/start", start, methods=["POST"]),
         ]
     )
@@ -219,7 +261,10 @@ async def measure(
     if profile:
         profiler.dump_stats(profile)
     pairs = np.array(json.loads(out.decode().strip().splitlines()[-1]))
-    return {"gateway_ms": pairs[:, 0], "direct_ms": pairs[:, 1], "cpu_s": cpu_s}
+    return {
+        "gateway_ms": pairs[:, 0], "direct_ms": pairs[:, 1], "direct_first": pairs[:, 2] > 0,
+        "cpu_s": cpu_s,
+    }  # fmt: skip
 
 
 async def _asgi_post(app, path: str, body: bytes) -> tuple[int, bytes]:
@@ -302,6 +347,12 @@ def _figures(m: dict[str, Any], prefix: str, suffix: str) -> dict[str, float]:
     }
     if prefix == "gateway":
         out[f"gateway_vs_direct_p50{suffix}"] = round(g50 / d50, 3)
+        if not suffix:  # the order effect the alternation cancels (see _agent_episode)
+            first = m["direct_first"]
+            for name, sel in (("gateway_first", ~first), ("direct_first", first)):
+                out[f"gateway_overhead_ms_p50_{name}"] = round(
+                    float(np.percentile(added[sel], 50)), 3
+                )
     return out
 
 
@@ -363,7 +414,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--url", help="Existing vLLM server (started with --enable-scale-out).")
     p.add_argument("--model-dir", help="Model folder of --url (for the tokenizer).")
     p.add_argument("--port", type=int, default=8191, help="Port of a server started here.")
-    p.add_argument("--episodes", type=int, default=20, help="Episodes one at a time.")
+    p.add_argument("--episodes", type=int, default=40, help="Episodes one at a time.")
     p.add_argument("--episodes-c16", type=int, default=32, help="Episodes, 16 at a time.")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16)
