@@ -104,11 +104,15 @@ def referenced_versions(store, *, run_id: str, within_s: float) -> set[int]:
     """Policy versions announced by collectors of ``run_id`` that have not stopped and whose
     heartbeat is younger than ``within_s`` (store clock): what they serve or are loading."""
     c = T.collectors
-    q = sa.select(sa.distinct(c.c.policy_version)).where(
-        c.c.run_id == run_id,
-        c.c.stopped_at.is_(None),
-        c.c.policy_version.is_not(None),
-        c.c.heartbeat_at >= sa.func.now() - timedelta(seconds=within_s),
+    q = (
+        sa.select(c.c.policy_version)
+        .where(
+            c.c.run_id == run_id,
+            c.c.stopped_at.is_(None),
+            c.c.policy_version.is_not(None),
+            c.c.heartbeat_at >= sa.func.now() - timedelta(seconds=within_s),
+        )
+        .distinct()
     )
     with store.connect_readonly() as conn:
         return {int(v) for v in conn.execute(q).scalars()}
