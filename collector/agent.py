@@ -39,7 +39,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -135,15 +135,8 @@ class EpisodeLimits:
         )
 
     def policy_limits(self) -> PolicyLimits:
-        return PolicyLimits(
-            max_tokens_per_turn=self.max_tokens_per_turn,
-            max_episode_tokens=self.max_episode_tokens,
-            context_limit=self.context_limit,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            tool_format=self.tool_format,
-            max_argument_bytes=self.max_argument_bytes,
-        )
+        """The sampling settings and budgets the policy needs (its fields, taken from these)."""
+        return PolicyLimits(**{f.name: getattr(self, f.name) for f in fields(PolicyLimits)})
 
 
 @dataclass(slots=True)
