@@ -1,10 +1,10 @@
 """The Python API of analysis: every function returns a polars DataFrame (for notebooks).
 
-Each function takes a :class:`store.Store` or a store URL and an optional ``run_id``
+Each function takes a :class:`sandpiper.store.Store` or a store URL and an optional ``run_id``
 (None = every run), opens one short read-only connection and reads one analysis view
-(see :mod:`analysis.views` for what each row means)::
+(see :mod:`sandpiper.analysis.views` for what each row means)::
 
-    from analysis import api
+    from sandpiper.analysis import api
 
     url = "duckdb:///runs/store.duckdb"
     api.reward_by_version(url, run_id="local")          # reward and pass rate per version
@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from analysis.query import QueryError, fetch, reader, run_sql
+from sandpiper.analysis.query import QueryError, fetch, reader, run_sql
 
 if TYPE_CHECKING:
     import polars as pl
     import sqlalchemy as sa
 
-    from store import Store
+    from sandpiper.store import Store
 
 # view name -> ORDER BY of its public function (stable row order for people and tests)
 _ORDER = {
@@ -205,7 +205,7 @@ def _with_token_versions(turns: pl.DataFrame) -> pl.DataFrame:
     turn (one version per token; None where the logprobs are None: nothing was sampled)."""
     import polars as pl
 
-    from store.arrow_io import expand_versions
+    from sandpiper.store.arrow_io import expand_versions
 
     versions = [
         None if lp is None else expand_versions(v, ch, n).tolist()

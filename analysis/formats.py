@@ -4,7 +4,7 @@ CSV and tables cannot hold nested values (token-id arrays, structs): those colum
 written as JSON text. JSON keeps them nested; Parquet keeps every type as it is.
 
 Stored text is the policy's (tool outputs, model text): tables show it through
-:func:`analysis.terminal.neutralize` as plain text (never rich markup); JSON escapes the
+:func:`sandpiper.analysis.terminal.neutralize` as plain text (never rich markup); JSON escapes the
 characters a terminal acts on (losslessly); CSV is written raw to a file or a pipe and
 neutralized when it goes to a terminal.
 """
@@ -16,8 +16,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Literal
 
-from analysis.query import QueryError
-from analysis.terminal import json_safe, neutralize
+from sandpiper.analysis.query import QueryError
+from sandpiper.analysis.terminal import json_safe, neutralize
 
 if TYPE_CHECKING:
     import polars as pl

@@ -1,4 +1,4 @@
-"""The report's figures: each function takes polars DataFrames from :mod:`analysis.api`
+"""The report's figures: each function takes polars DataFrames from :mod:`sandpiper.analysis.api`
 and returns a matplotlib Figure (Agg backend; nothing is shown on screen).
 
 An empty input gives a figure that says "no data" rather than an error, so a report of a
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from analysis.terminal import neutralize
+from sandpiper.analysis.terminal import neutralize
 
 if TYPE_CHECKING:
     import polars as pl

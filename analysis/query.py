@@ -1,6 +1,6 @@
 """Read-only SQL against the store, returned as polars DataFrames.
 
-Every read is one short read-only connection from :meth:`store.Store.connect_readonly`
+Every read is one short read-only connection from :meth:`sandpiper.store.Store.connect_readonly`
 (on DuckDB: a read-only open under the store's cross-process lock, so it works while the
 collector writes; on PostgreSQL: a ``READ ONLY`` transaction). :func:`reader` makes sure
 the analysis views exist first (see :func:`ensure_views`).
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import polars as pl
     import sqlalchemy as sa
 
-    from store import Store
+    from sandpiper.store import Store
 
 # fmt: off
 WRITE_KEYWORDS = frozenset([
@@ -48,9 +48,9 @@ class QueryError(StoreError, ValueError):
 
 
 def open_store(store: Store | str) -> Store:
-    """``store`` itself, or a :class:`store.Store` for a URL (handy in notebooks)."""
+    """``store`` itself, or a :class:`sandpiper.store.Store` for a URL (handy in notebooks)."""
     if isinstance(store, str):
-        from store import Store
+        from sandpiper.store import Store
 
         return Store(store)
     return store
@@ -68,7 +68,7 @@ def ensure_views(store: Store) -> bool:
     """
     import sqlalchemy as sa
 
-    from analysis.views import VIEWS_VERSION, create_views, views_version
+    from sandpiper.analysis.views import VIEWS_VERSION, create_views, views_version
 
     with store.connect_readonly() as conn:
         if views_version(conn) == VIEWS_VERSION:
@@ -95,7 +95,7 @@ def reader(store: Store | str) -> Iterator[sa.Connection]:
     """
     import sqlalchemy as sa
 
-    from analysis.views import VIEWS_VERSION, create_views, views_version
+    from sandpiper.analysis.views import VIEWS_VERSION, create_views, views_version
 
     store = open_store(store)
     with store.connect_readonly() as conn:
@@ -131,7 +131,7 @@ shown as lists of numbers: people and DataFrames want the values, not the storag
 
 
 def _unpacked(name: str, values: list) -> list:
-    from store.arrow_io import unpack_one
+    from sandpiper.store.arrow_io import unpack_one
 
     dtype = PACKED_COLUMNS.get(name)
     if dtype is None or not any(isinstance(v, bytes | memoryview) for v in values):

@@ -1,12 +1,12 @@
 """``sandpiper report``: one self-contained HTML page about a run, with PNG plots.
 
 :func:`build_report` reads every analysis view in one read-only connection, draws the
-figures of :mod:`analysis.plots`, writes each as a PNG into the output folder and embeds the
+figures of :mod:`sandpiper.analysis.plots`, writes each as a PNG into the output folder and embeds the
 same bytes as ``data:`` URIs in ``index.html`` (so the page can be mailed or attached on its
 own). :func:`log_to_mlflow` uploads the folder as an MLflow artifact.
 
 Stored strings (task ids, tool names the policy made up) are shown through
-:func:`analysis.terminal.neutralize`, then HTML-escaped: control and bidirectional
+:func:`sandpiper.analysis.terminal.neutralize`, then HTML-escaped: control and bidirectional
 characters appear as visible escapes in the page.
 """
 
@@ -19,17 +19,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from analysis import plots
-from analysis.api import read_view
-from analysis.query import QueryError, fetch, open_store, reader
-from analysis.terminal import neutralize
-from analysis.views import BAD_SAMPLER_OUTPUT
+from sandpiper.analysis import plots
+from sandpiper.analysis.api import read_view
+from sandpiper.analysis.query import QueryError, fetch, open_store, reader
+from sandpiper.analysis.terminal import neutralize
+from sandpiper.analysis.views import BAD_SAMPLER_OUTPUT
 
 if TYPE_CHECKING:
     import polars as pl
 
     from sandpiper.config import TrackingConfig
-    from store import Store
+    from sandpiper.store import Store
 
 TEMPLATE = "report.html.j2"
 TOP_FAILING = 10

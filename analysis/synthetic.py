@@ -7,11 +7,11 @@ tool calls (successes, non-zero exits, usage errors, bad JSON, time-outs), infra
 failures flagged invalid, and learner-step metrics (importance weights, ESS, KL, ...).
 Rewards rise with the policy version so that plots show a trend.
 
-:func:`populate` writes such a run into a :class:`store.Store` through its public API
+:func:`populate` writes such a run into a :class:`sandpiper.store.Store` through its public API
 (the same path the collector and the learner take)::
 
-    from store import Store
-    from analysis.synthetic import populate, synthetic_run
+    from sandpiper.store import Store
+    from sandpiper.analysis.synthetic import populate, synthetic_run
 
     store = Store("duckdb:///runs/demo.duckdb")
     store.init()
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from store.records import (
+from sandpiper.store.records import (
     INFRA_STOPS,
     EpisodeRecord,
     GroupRecord,

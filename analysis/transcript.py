@@ -1,4 +1,4 @@
-"""Render one episode (:class:`analysis.api.EpisodeDetail`) as a readable rich transcript.
+"""Render one episode (:class:`sandpiper.analysis.api.EpisodeDetail`) as a readable rich transcript.
 
 Shown: a header (task, outcome, reward, validity, stop reason, infra error, policy versions,
 token counts, timings, sandbox), the reward breakdown, then every turn in order with its
@@ -7,7 +7,7 @@ mid-turn) and duration, and below each assistant turn its tool calls: arguments,
 error kind, time-out, duration, and the output the agent saw (with its total size).
 
 Every stored string is written by the policy or its sandbox: each goes through
-:func:`analysis.terminal.neutralize` and reaches rich as plain ``Text`` (never markup, so a
+:func:`sandpiper.analysis.terminal.neutralize` and reaches rich as plain ``Text`` (never markup, so a
 ``[link=…]`` in a tool output is shown, not turned into a terminal hyperlink).
 """
 
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from analysis.terminal import neutralize
+from sandpiper.analysis.terminal import neutralize
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
-    from analysis.api import EpisodeDetail
+    from sandpiper.analysis.api import EpisodeDetail
 
 ROLE_STYLE = {"system": "magenta", "user": "cyan", "assistant": "green", "tool": "yellow"}
 

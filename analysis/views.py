@@ -1,6 +1,6 @@
 """SQL views over the store that answer the usual questions about a run.
 
-The views are plain SQL over the tables of :mod:`store.schema`, written once for both
+The views are plain SQL over the tables of :mod:`sandpiper.store.schema`, written once for both
 backends; only JSON access differs (see :func:`_json_float`). They are created with the
 store (``store.Store.init`` calls :func:`create_views`) so that any SQL client sees them,
 and re-created on every ``init`` (``CREATE OR REPLACE``), so a schema migration that

@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from collector.inference.base import Generation, SamplingParams
-from collector.parsers import SUBMIT_SENTINEL
-from store.records import GroupStatus
+from sandpiper.collector.inference.base import Generation, SamplingParams
+from sandpiper.collector.parsers import SUBMIT_SENTINEL
+from sandpiper.store.records import GroupStatus
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,7 +128,7 @@ class MemoryStore:
 
     def claim_slots(self, *, run_id, collector_id, tasks, ttl_s, n=1, split=None, only=None):
         """Slots as the store issues them to a lone collector: least-sampled, then rank."""
-        from store.records import SlotLease
+        from sandpiper.store.records import SlotLease
 
         order = [t for t, _ in sorted(tasks, key=lambda t: t[1]) if only is None or t in only]
         leases = []
@@ -151,7 +151,7 @@ class MemoryStore:
         return None
 
     def put(self, group: Any) -> None:
-        from store.records import WriteOutcome
+        from sandpiper.store.records import WriteOutcome
 
         self.groups.append(group)
         if self.on_outcome is not None:
@@ -167,13 +167,13 @@ class MemoryStore:
 async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight: int) -> dict:
     from transformers import AutoTokenizer
 
-    from collector.agent import default_toolbox_factory
-    from collector.daemon import Collector
-    from collector.inference.vllm_client import VLLMPolicyClient
-    from collector.render import ChatRenderer
-    from collector.sandbox.images import ImagePools
-    from collector.tasks import load_tasks
-    from collector.tools import TOOL_SCHEMAS
+    from sandpiper.collector.agent import default_toolbox_factory
+    from sandpiper.collector.daemon import Collector
+    from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
+    from sandpiper.collector.render import ChatRenderer
+    from sandpiper.collector.sandbox.images import ImagePools
+    from sandpiper.collector.tasks import load_tasks
+    from sandpiper.collector.tools import TOOL_SCHEMAS
     from sandpiper.config import RunConfig
 
     episodes = args.episodes if in_flight > 1 else args.baseline_episodes
@@ -253,7 +253,7 @@ async def main(args: argparse.Namespace) -> dict:
     server = None
     url, model_dir = args.url, args.model_dir
     if url is None:
-        from collector.inference.server import VLLMServer
+        from sandpiper.collector.inference.server import VLLMServer
 
         model_dir = bench_model(args.model)
         server = VLLMServer(model_dir=model_dir, port=args.port, max_model_len=args.max_model_len)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 def seconds_per_step(store_url: str, run_id: str) -> tuple[float, int]:
     """Mean seconds between consecutive policy registrations after the first GRPO one."""
-    from store import Store
+    from sandpiper.store import Store
 
     with Store(store_url).connect_readonly() as conn:
         from sqlalchemy import text

@@ -78,7 +78,7 @@ class StubClient:
         self.policy_version = 0
 
     async def generate(self, prompt_ids, params):
-        from collector.inference.base import Generation
+        from sandpiper.collector.inference.base import Generation
 
         n = len(self.reply)
         return Generation(self.reply, np.zeros(n, np.float32), np.zeros(n, np.int32), "stop")
@@ -88,7 +88,7 @@ class StubClient:
 
 
 async def _agent_episode(http, args: argparse.Namespace, i: int) -> list[tuple[float, ...]]:
-    from collector.tools import offered_schemas
+    from sandpiper.collector.tools import offered_schemas
 
     tools = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")
     r = await http.post(f"{args.gateway}/episodes", json={})
@@ -156,10 +156,10 @@ async def measure(
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from collector.gateway import openai_api as api
-    from collector.gateway.server import Gateway, GatewaySettings
-    from collector.inference.base import SamplingParams
-    from collector.render import ChatRenderer
+    from sandpiper.collector.gateway import openai_api as api
+    from sandpiper.collector.gateway.server import Gateway, GatewaySettings
+    from sandpiper.collector.inference.base import SamplingParams
+    from sandpiper.collector.render import ChatRenderer
 
     settings = GatewaySettings(
         model_names=("policy",), temperature=0.0, max_tokens_per_turn=args.max_tokens,
@@ -286,8 +286,8 @@ async def call_path_cpu(renderer, args, episodes: int) -> dict[str, float]:
     """CPU time of this process per chat call through the gateway's ASGI app with the instant
     model (routing, parsing, rendering, splicing, recording, the JSON answer; not uvicorn's
     HTTP parsing), and per episode close (the deferred re-tokenization checks)."""
-    from collector.gateway.server import Gateway, GatewaySettings
-    from collector.tools import offered_schemas
+    from sandpiper.collector.gateway.server import Gateway, GatewaySettings
+    from sandpiper.collector.tools import offered_schemas
 
     tools = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")
     reply = renderer.encode('<tool_call>\n{"name": "execute_bash", "arguments": '
@@ -354,9 +354,9 @@ def _figures(m: dict[str, Any], prefix: str, suffix: str) -> dict[str, float]:
 async def main(args: argparse.Namespace) -> dict[str, float]:
     from transformers import AutoTokenizer
 
-    from collector.inference.vllm_client import VLLMPolicyClient
-    from collector.render import ChatRenderer
-    from collector.tools import offered_schemas
+    from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
+    from sandpiper.collector.render import ChatRenderer
+    from sandpiper.collector.tools import offered_schemas
 
     server = scratch = None
     url, model_dir = args.url, args.model_dir
@@ -364,7 +364,7 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
     if args.stub_only:
         model_dir = model_dir or str(REPO / "runs/tiny-model")
     elif url is None:
-        from collector.inference.server import VLLMServer
+        from sandpiper.collector.inference.server import VLLMServer
         from sandpiper.tiny_model import init_tiny_model
 
         scratch = tempfile.mkdtemp(prefix="gateway-bench-")

@@ -52,11 +52,11 @@ def make_batch(rng: np.random.Generator, *, groups: int, group_size: int, vocab:
 
 
 def sandpiper_step(model_dir: Path, batch: list, lr: float):
-    from trainer.checkpoint import load_model
-    from trainer.engine import build_engine, init_distributed
-    from trainer.loss import LossConfig, grpo_loss
-    from trainer.optimise import build_minibatch, optimise
-    from trainer.packing import TrainSequence
+    from sandpiper.trainer.checkpoint import load_model
+    from sandpiper.trainer.engine import build_engine, init_distributed
+    from sandpiper.trainer.loss import LossConfig, grpo_loss
+    from sandpiper.trainer.optimise import build_minibatch, optimise
+    from sandpiper.trainer.packing import TrainSequence
 
     world = init_distributed()
     from sandpiper.config import LearnerConfig
@@ -187,7 +187,7 @@ def main() -> None:
                 fn()
                 times.append(time.perf_counter() - start)
             print(f"step_s sandpiper={t_ours[-1]:.3f} trl={t_trl[-1]:.3f}", file=sys.stderr)
-    from trainer.engine import shutdown_distributed
+    from sandpiper.trainer.engine import shutdown_distributed
 
     shutdown_distributed()  # a live gloo group can abort the interpreter's exit
     ours_s, trl_s = statistics.median(t_ours), statistics.median(t_trl)

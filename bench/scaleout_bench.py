@@ -50,10 +50,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from store import Store
-from store.collectors import task_rank
-from store.records import PolicyRecord, RunRecord
-from store.testing import make_group
+from sandpiper.store import Store
+from sandpiper.store.collectors import task_rank
+from sandpiper.store.records import PolicyRecord, RunRecord
+from sandpiper.store.testing import make_group
 
 GROUP_SIZE = 8
 N_TASKS = 64

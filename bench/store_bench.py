@@ -63,10 +63,10 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from store import Store, arrow_io
-from store.backends import DuckDBBackend
-from store.records import PolicyRecord, RunRecord
-from store.testing import make_group
+from sandpiper.store import Store, arrow_io
+from sandpiper.store.backends import DuckDBBackend
+from sandpiper.store.records import PolicyRecord, RunRecord
+from sandpiper.store.testing import make_group
 
 GROUP_SIZE = 8
 BATCH_EPISODES = 2000

@@ -1,6 +1,6 @@
 """The episode loop: one agent, one task, one sandbox — for training and evaluation alike.
 
-``run_episode`` opens a session with the policy (:mod:`collector.policy`: token ids in and
+``run_episode`` opens a session with the policy (:mod:`sandpiper.collector.policy`: token ids in and
 out for training, a chat API for evaluation), then alternates a reply of the policy and the
 execution of its tool calls (through a toolbox bound to the episode's sandbox, results
 appended as a non-trainable ``tool`` turn). It stops on ``submit``, a reply without tool
@@ -43,21 +43,21 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, Protocol
 
-from collector.parsers import (
+from sandpiper.collector.parsers import (
     DEFAULT_MAX_ARGUMENT_BYTES,
     ParsedToolCall,
     ToolFormat,
     submission_answer,
     system_prompt_for,
 )
-from collector.policy import Policy, PolicyLimits, PolicySession, Stopped
-from collector.sandbox.base import ExecOutcome, ToolSandbox
-from collector.scoring import score_answer
-from collector.tasks import DEFAULT_TESTS_DEST, Task
-from collector.tools.base import ToolResult
+from sandpiper.collector.policy import Policy, PolicyLimits, PolicySession, Stopped
+from sandpiper.collector.sandbox.base import ExecOutcome, ToolSandbox
+from sandpiper.collector.scoring import score_answer
+from sandpiper.collector.tasks import DEFAULT_TESTS_DEST, Task
+from sandpiper.collector.tools.base import ToolResult
 from sandpiper.config import CollectorConfig, InferenceConfig, RunConfig
 from sandpiper.errors import SandboxError, SandboxLostError, SandpiperError, TaskError
-from store.records import (
+from sandpiper.store.records import (
     INFRA_STOPS,
     EpisodeRecord,
     StopReason,
@@ -162,7 +162,7 @@ def default_toolbox_factory(
     max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
 ) -> ToolboxFactory:  # pragma: no cover - thin wiring around the tools package
     def make(sandbox: ToolSandbox, task: Task) -> ToolRunner:
-        from collector.tools import Toolbox
+        from sandpiper.collector.tools import Toolbox
 
         return Toolbox(
             sandbox,
@@ -213,8 +213,8 @@ async def run_episode(
 ) -> EpisodeRecord:
     """Run one episode to its end and return its record (never raises for data failures).
 
-    Training (:class:`collector.policy.TokenPolicy`) and evaluation
-    (:class:`collector.chat_policy.ChatPolicy`) both run here: the prompt, the offered tools,
+    Training (:class:`sandpiper.collector.policy.TokenPolicy`) and evaluation
+    (:class:`sandpiper.collector.chat_policy.ChatPolicy`) both run here: the prompt, the offered tools,
     the answer file, the error handling and the reward are the same by construction."""
     started_at, t0 = utcnow(), time.perf_counter()
     messages = [

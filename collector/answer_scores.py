@@ -1,6 +1,6 @@
 """How close a submitted answer is to the gold one: exact match (SQuAD-normalised), math
-equivalence (math-verify) and ROUGE (rouge-score). The leaf under :mod:`collector.rewards`
-and the peer formats' own scorers (:mod:`collector.task_formats`), which both use them.
+equivalence (math-verify) and ROUGE (rouge-score). The leaf under :mod:`sandpiper.collector.rewards`
+and the peer formats' own scorers (:mod:`sandpiper.collector.task_formats`), which both use them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A policy behind any OpenAI-compatible chat endpoint (``/v1/chat/completions``): text mode.
 
 Used by ``sandpiper collect --eval``. The episode runs through the same loop as training
-(:func:`collector.agent.run_episode`); only the policy differs: messages go out as text with
+(:func:`sandpiper.collector.agent.run_episode`); only the policy differs: messages go out as text with
 the offered tool schemas, replies come back as text (no token ids, no logprobs), so every
 turn is stored untrainable. Tool calls come from the API's ``tool_calls``; when the server has
 no tool parser enabled, tool-call blocks in the content are parsed as in training.
@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 
-from collector.inference.vllm_client import ContextLengthExceeded
-from collector.parsers import ParsedToolCall, parse_tool_calls
-from collector.policy import PolicyLimits, Reply, Stopped, assistant_record, text_turn
+from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
+from sandpiper.collector.parsers import ParsedToolCall, parse_tool_calls
+from sandpiper.collector.policy import PolicyLimits, Reply, Stopped, assistant_record, text_turn
 from sandpiper.errors import InferenceError, SandpiperError
-from store.records import Role, StopReason, ToolCallRecord, ToolErrorKind, TurnRecord
+from sandpiper.store.records import Role, StopReason, ToolCallRecord, ToolErrorKind, TurnRecord
 
 
 class ChatEndpoint:

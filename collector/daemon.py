@@ -46,18 +46,18 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from collector.agent import EpisodeLimits, ToolboxFactory, run_pooled_episode
-from collector.gateway.external import agent_command, run_external_episode
-from collector.gateway.server import Gateway, GatewaySettings
-from collector.inference.base import Generation, PolicyClient, SamplingParams
-from collector.policy import TokenPolicy
-from collector.render import ChatRenderer
-from collector.status import CollectorMetrics
-from collector.tasks import Task
+from sandpiper.collector.agent import EpisodeLimits, ToolboxFactory, run_pooled_episode
+from sandpiper.collector.gateway.external import agent_command, run_external_episode
+from sandpiper.collector.gateway.server import Gateway, GatewaySettings
+from sandpiper.collector.inference.base import Generation, PolicyClient, SamplingParams
+from sandpiper.collector.policy import TokenPolicy
+from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.status import CollectorMetrics
+from sandpiper.collector.tasks import Task
 from sandpiper.config import RunConfig
 from sandpiper.errors import SandpiperError, StoreError, TaskError
-from store.collectors import task_rank
-from store.records import (
+from sandpiper.store.collectors import task_rank
+from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,
     GroupSampling,

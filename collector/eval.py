@@ -2,8 +2,8 @@
 
 ``sandpiper collect --eval --endpoint URL --model NAME`` runs every task once as a group of
 ``collector.validation_group_size`` samples. Each episode goes through the training episode
-code (:func:`collector.agent.run_pooled_episode`) with a text-mode
-:class:`collector.chat_policy.ChatPolicy` instead of the token-in/token-out policy: the same
+code (:func:`sandpiper.collector.agent.run_pooled_episode`) with a text-mode
+:class:`sandpiper.collector.chat_policy.ChatPolicy` instead of the token-in/token-out policy: the same
 prompt, offered tools, answer file, error handling and rewards. Episodes are stored with
 ``trainable=False`` (no token ids, no logprobs) and ``split=validation``, so no learner ever
 trains on them. A broken task or a missing image is one invalid episode, never an abort.
@@ -15,22 +15,22 @@ import asyncio
 import uuid
 from typing import Any
 
-from collector.chat_policy import ChatEndpoint, ChatPolicy
-from collector.tasks import Task
-from store.records import EpisodeRecord
+from sandpiper.collector.chat_policy import ChatEndpoint, ChatPolicy
+from sandpiper.collector.tasks import Task
+from sandpiper.store.records import EpisodeRecord
 
 __all__ = ["ChatEndpoint", "evaluate"]
 
 
 async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str | None) -> int:
     """Run every task once (see the module docstring); returns the number of groups stored."""
-    from collector.agent import EpisodeLimits, default_toolbox_factory, run_pooled_episode
-    from collector.journal import SeqJournal
-    from collector.run_setup import open_store
-    from collector.sandbox.images import ImagePools
-    from collector.tasks import load_tasks
-    from collector.tools import offered_schemas
-    from store.records import GroupRecord, GroupSampling, Split
+    from sandpiper.collector.agent import EpisodeLimits, default_toolbox_factory, run_pooled_episode
+    from sandpiper.collector.journal import SeqJournal
+    from sandpiper.collector.run_setup import open_store
+    from sandpiper.collector.sandbox.images import ImagePools
+    from sandpiper.collector.tasks import load_tasks
+    from sandpiper.collector.tools import offered_schemas
+    from sandpiper.store.records import GroupRecord, GroupSampling, Split
 
     cc = config.collector
     tasks = load_tasks(

@@ -11,7 +11,7 @@
 3. start the local vLLM servers (unless ``inference.server_urls`` is given) and a supervisor
    that restarts a dead one, and a :class:`VLLMPolicyClient` over them;
 4. start the sandbox pool (containers labelled with this collector's and the store's id);
-5. run :class:`collector.daemon.Collector` until ``stop`` is set, then close everything.
+5. run :class:`sandpiper.collector.daemon.Collector` until ``stop`` is set, then close everything.
 
 Heavy imports (transformers, vLLM client, podman pool, store backends) happen inside.
 """
@@ -25,11 +25,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from collector.run_setup import open_store, start_run_servers
-from collector.status import CollectorMetrics
+from sandpiper.collector.run_setup import open_store, start_run_servers
+from sandpiper.collector.status import CollectorMetrics
 from sandpiper.config import RunConfig
 from sandpiper.errors import ConfigError
-from store.collectors import default_host
+from sandpiper.store.collectors import default_host
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +68,14 @@ async def collect(
     everything else — sandboxes, tools, rewards, the store — is the real thing."""
     from transformers import AutoTokenizer
 
-    from collector.agent import default_toolbox_factory
-    from collector.daemon import Collector, retire_predecessor
-    from collector.inference.vllm_client import VLLMPolicyClient
-    from collector.render import renderer_for
-    from collector.sandbox import janitor
-    from collector.sandbox.images import ImagePools
-    from collector.status import StatusReporter
-    from collector.tasks import load_tasks
+    from sandpiper.collector.agent import default_toolbox_factory
+    from sandpiper.collector.daemon import Collector, retire_predecessor
+    from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
+    from sandpiper.collector.render import renderer_for
+    from sandpiper.collector.sandbox import janitor
+    from sandpiper.collector.sandbox.images import ImagePools
+    from sandpiper.collector.status import StatusReporter
+    from sandpiper.collector.tasks import load_tasks
 
     cc, run_dir = config.collector, config.run_dir
     tasks = load_tasks(

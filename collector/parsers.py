@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sandpiper.config import CollectorConfig
-from store.records import ToolErrorKind
+from sandpiper.store.records import ToolErrorKind
 
 ToolFormat = Literal["hermes", "qwen3_coder", "bash_block"]
 """How the policy writes actions: tool-call markup (``hermes``, ``qwen3_coder``: schemas in

@@ -1,6 +1,6 @@
 """The policy seam of the episode loop: who writes the assistant turns.
 
-:func:`collector.agent.run_episode` talks to the model only through a :class:`Policy`, which
+:func:`sandpiper.collector.agent.run_episode` talks to the model only through a :class:`Policy`, which
 opens one :class:`PolicySession` per episode. A session renders the opening prompt, samples a
 reply, and appends tool results; the loop never sees whether the model sits behind token ids
 or behind a chat API. Two implementations:
@@ -27,18 +27,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from collector.inference.base import PolicyClient, SamplingParams
-from collector.inference.vllm_client import ContextLengthExceeded
-from collector.parsers import (
+from sandpiper.collector.inference.base import PolicyClient, SamplingParams
+from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
+from sandpiper.collector.parsers import (
     DEFAULT_MAX_ARGUMENT_BYTES,
     ParsedToolCall,
     ToolFormat,
     parse_tool_calls,
 )
-from collector.render import ChatRenderer
+from sandpiper.collector.render import ChatRenderer
 from sandpiper.config import CollectorConfig, InferenceConfig
 from sandpiper.errors import SandpiperError
-from store.records import Role, StopReason, ToolCallRecord, TurnRecord
+from sandpiper.store.records import Role, StopReason, ToolCallRecord, TurnRecord
 
 _NO_IDS = np.zeros(0, dtype=np.int32)
 

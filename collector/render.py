@@ -25,7 +25,7 @@ Two settings change what is rendered (:func:`renderer_for` reads them from the c
   template has no tools, or one whose template re-renders history differently);
 - ``action_format``: with ``bash_block`` the tool schemas are *not* rendered (the template
   may not support them; the system prompt describes the protocol instead) and tool results
-  return as a plain user turn (:func:`collector.parsers.format_observation`).
+  return as a plain user turn (:func:`sandpiper.collector.parsers.format_observation`).
 
 ``tests/unit/test_render_prefix.py`` proves, for every shipped template and format, that the
 rendering of turn ``k`` is a token prefix of the rendering of turn ``k + 1``.
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from collector.parsers import ToolFormat, format_observation
+from sandpiper.collector.parsers import ToolFormat, format_observation
 from sandpiper.errors import ConfigError, InferenceError
 
 if TYPE_CHECKING:
@@ -325,7 +325,7 @@ def read_chat_template(path: str | None) -> str | None:
 
 def renderer_for(tokenizer: Any, config: RunConfig) -> ChatRenderer:
     """The renderer a run's config asks for: offered tools, template and action format."""
-    from collector.tools import offered_schemas
+    from sandpiper.collector.tools import offered_schemas
 
     cc = config.collector
     return ChatRenderer(

@@ -9,7 +9,7 @@ The reward kind and its data live in the task's ``reference`` dict (``TaskRecord
      "banned_patterns": ["sorted(", "/tests"],  # plain substrings (case-insensitive, as TRL)
      "banned_penalty": 1.0}                # a hit makes the reward -banned_penalty (TRL: -1)
 
-Format-specific scoring lives with its format (:mod:`collector.task_formats`).
+Format-specific scoring lives with its format (:mod:`sandpiper.collector.task_formats`).
 
 Only the *policy's* failures are scored (a wrong answer, no answer, failing tests: 0).
 Infrastructure failures never reach this module: the agent loop marks those episodes
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from collector.answer_scores import (  # noqa: F401 (exact_match, normalize_answer: API)
+from sandpiper.collector.answer_scores import (  # noqa: F401 (exact_match, normalize_answer: API)
     exact_match,
     math_equal,
     normalize_answer,
@@ -69,7 +69,7 @@ def compute_reward(
     elif kind == "exact":
         base = float(exact_match(str(gold), answer))
     elif kind == "llm_in_sandbox":
-        from collector.task_formats.llm_in_sandbox import score
+        from sandpiper.collector.task_formats.llm_in_sandbox import score
 
         base = score(answer, str(gold), str(reference.get("domain", "")), reference.get("qa_type"))
     else:

@@ -14,8 +14,8 @@ from sandpiper.version import code_version
 
 def open_store(config: RunConfig) -> Any:
     """The run's store, initialised, with this run registered (its config and code version)."""
-    from store import Store
-    from store.records import RunRecord
+    from sandpiper.store import Store
+    from sandpiper.store.records import RunRecord
 
     store = Store(config.store.url, lock_timeout_s=config.store.lock_timeout_s)
     store.init()
@@ -27,7 +27,7 @@ def open_store(config: RunConfig) -> Any:
 async def start_run_servers(config: RunConfig, stack: contextlib.AsyncExitStack) -> list[Any]:
     """The run's local servers on version 0 (none when ``inference.server_urls`` is given),
     logging to ``inference.log_dir`` or else the run's folder."""
-    from collector.inference.server import start_servers
+    from sandpiper.collector.inference.server import start_servers
 
     if config.inference.server_urls:
         return []

@@ -7,7 +7,7 @@ episode in flight (and in a thread those deadlines never fire). So those kinds a
 one long-lived worker process:
 
 - the event loop waits in a thread, never on the parse itself (the worker is
-  ``python -m collector.scoring``, JSON lines over its pipes);
+  ``python -m sandpiper.collector.scoring``, JSON lines over its pipes);
 - the worker's main thread runs math-verify, so its own deadlines apply there;
 - past ``SCORING_TIMEOUT_S`` the worker is killed (and started again for the next answer) and
   the answer scores 0, with ``scoring_timed_out`` in the breakdown (``scoring_failed`` when the
@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import IO, Any
 
-from collector.rewards import RewardOutcome, compute_reward
+from sandpiper.collector.rewards import RewardOutcome, compute_reward
 from sandpiper.errors import TaskError
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class AnswerKilledWorkerError(RuntimeError):
 
 
 class ScoringWorker:
-    """One worker process (``python -m collector.scoring``); ``score`` blocks and is
+    """One worker process (``python -m sandpiper.collector.scoring``); ``score`` blocks and is
     serialised, so call it from a thread."""
 
     def __init__(self, timeout_s: float = SCORING_TIMEOUT_S) -> None:
@@ -86,7 +86,7 @@ class ScoringWorker:
         if self._proc is None or self._proc.poll() is not None:
             self.close()
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "collector.scoring"],
+                [sys.executable, "-m", "sandpiper.collector.scoring"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,

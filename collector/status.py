@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from store.records import EpisodeRecord, GroupRecord, Split
+from sandpiper.store.records import EpisodeRecord, GroupRecord, Split
 
 
 @dataclass(slots=True)

@@ -4,10 +4,10 @@ Sources, detected from the data itself (``--format`` forces one):
 
 - JSONL rows or a JSON array of records (the rllm JSON), each record one of: a prompt row
   (``prompt`` as text or chat messages + ``answer``), an LLM-in-Sandbox-RL row
-  (:mod:`collector.task_formats.llm_in_sandbox`), a TRL + Daytona code task
-  (:mod:`collector.task_formats.trl_daytona`), an open-instruct dataset row whose
+  (:mod:`sandpiper.collector.task_formats.llm_in_sandbox`), a TRL + Daytona code task
+  (:mod:`sandpiper.collector.task_formats.trl_daytona`), an open-instruct dataset row whose
   ``env_config`` names a task folder under ``task_data_dir``
-  (:mod:`collector.task_formats.open_instruct`), or ``{"data_dir": ...}``;
+  (:mod:`sandpiper.collector.task_formats.open_instruct`), or ``{"data_dir": ...}``;
 - a task folder or a folder of them (Sandpiper or open-instruct layout).
 
 Every error names its record by 1-based number (``file:3`` for line 3, ``record 3`` for the
@@ -27,9 +27,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from collector.task_formats import aviato, llm_in_sandbox, open_instruct, trl_daytona
-from collector.task_loading import OVERRIDE_KEYS, load_task_folder, load_tasks, task_from_row
-from collector.task_model import (
+from sandpiper.collector.task_formats import aviato, llm_in_sandbox, open_instruct, trl_daytona
+from sandpiper.collector.task_loading import (
+    OVERRIDE_KEYS,
+    load_task_folder,
+    load_tasks,
+    task_from_row,
+)
+from sandpiper.collector.task_model import (
     CONTEXT_KEYS,
     Task,
     assign_split,
@@ -40,7 +45,7 @@ from collector.task_model import (
     safe_id,
 )
 from sandpiper.errors import TaskError
-from store.records import Split
+from sandpiper.store.records import Split
 
 FORMATS = ("auto", "jsonl", "folder", "llm_in_sandbox", "trl_daytona")
 

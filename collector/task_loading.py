@@ -1,5 +1,5 @@
 """Loading tasks: a JSONL file, a task folder, a folder of task folders (the formats are
-described in :mod:`collector.tasks`, the public face of this module)."""
+described in :mod:`sandpiper.collector.tasks`, the public face of this module)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from collector.task_formats import aviato, llm_in_sandbox, open_instruct, trl_daytona
-from collector.task_model import (
+from sandpiper.collector.task_formats import aviato, llm_in_sandbox, open_instruct, trl_daytona
+from sandpiper.collector.task_model import (
     ANSWER_KEYS,
     REFERENCE_KEYS,
     Task,
@@ -151,7 +151,7 @@ def load_task_folder(folder: str | Path) -> Task:
 
 
 def _result_format(meta: dict[str, Any], where: str) -> str:
-    from collector.tools.reward import DEFAULT_RESULT_FORMAT, RESULT_FORMATS
+    from sandpiper.collector.tools.reward import DEFAULT_RESULT_FORMAT, RESULT_FORMATS
 
     value = meta.get("result_format", DEFAULT_RESULT_FORMAT)
     if value not in RESULT_FORMATS:

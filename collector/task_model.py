@@ -2,9 +2,9 @@
 shares: the field names a row may use, prompt parsing, ids, splits and loud messages for a
 missing field.
 
-The bottom of the task modules: the peer formats (:mod:`collector.task_formats`), the loader
-(:mod:`collector.task_loading`) and the importer (:mod:`collector.task_import`) build on it;
-:mod:`collector.tasks` is the public face of all of them.
+The bottom of the task modules: the peer formats (:mod:`sandpiper.collector.task_formats`), the loader
+(:mod:`sandpiper.collector.task_loading`) and the importer (:mod:`sandpiper.collector.task_import`) build on it;
+:mod:`sandpiper.collector.tasks` is the public face of all of them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sandpiper.errors import TaskError
-from store.records import Split, TaskRecord
+from sandpiper.store.records import Split, TaskRecord
 
 PROMPT_KEYS = ("prompt", "question", "problem", "instruction", "messages")
 ANSWER_KEYS = ("answer", "ground_truth", "solution", "reference_answer")
@@ -48,7 +48,7 @@ class Task:
     task_id: str
     instruction: str
     reference: dict[str, Any]
-    """Reward kind and data (see :mod:`collector.rewards`)."""
+    """Reward kind and data (see :mod:`sandpiper.collector.rewards`)."""
     source: str
     format: str
     split: Split = Split.TRAIN
@@ -60,7 +60,7 @@ class Task:
     """Command that runs the tests; None = the toolbox's default for ``tests/``."""
     result_format: str = "result_file"
     """How the tests report (``result_file``, ``tagged_line``, ``exit_status``); see
-    :mod:`collector.tools.reward`. Nothing else the tests print is read."""
+    :mod:`sandpiper.collector.tools.reward`. Nothing else the tests print is read."""
     tests_see_agent_processes: bool = False
     """Keep what the agent left running (a server) alive for the tests; off by default."""
     subject_command: str | None = None

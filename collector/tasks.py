@@ -10,7 +10,7 @@ Sources the collector accepts (``collector.tasks`` in the config):
   folder's own). An open-instruct dataset row (``env_config``) names an open-instruct folder
   next to the file. Peers' rows that need files in the sandbox (LLM-in-Sandbox-RL, TRL +
   Daytona, Aviato) are converted first by ``sandpiper tasks import``
-  (:mod:`collector.task_import`).
+  (:mod:`sandpiper.collector.task_import`).
 - **Task folder** (one per task)::
 
       <task_id>/instruction.md   what the agent is asked
@@ -24,7 +24,7 @@ Sources the collector accepts (``collector.tasks`` in the config):
                                  tests_see_agent_processes, split
 
   or an open-instruct folder (``environment/seeds/``, ``tests/test.sh`` writing
-  ``/logs/verifier/reward.txt``, ``image.txt``: :mod:`collector.task_formats.open_instruct`).
+  ``/logs/verifier/reward.txt``, ``image.txt``: :mod:`sandpiper.collector.task_formats.open_instruct`).
 - **A folder of task folders**, or a folder with a ``tasks.jsonl`` index.
 
 A task that cannot run as declared (``Task.check``) is not refused here: each of its episodes
@@ -34,15 +34,15 @@ whose id hashes below ``validation_fraction`` is a validation task, unless it st
 
 from __future__ import annotations
 
-from collector.task_import import convert_llm_in_sandbox, import_tasks  # noqa: F401
-from collector.task_loading import (  # noqa: F401 (the public API of task sources)
+from sandpiper.collector.task_import import convert_llm_in_sandbox, import_tasks  # noqa: F401
+from sandpiper.collector.task_loading import (  # noqa: F401 (the public API of task sources)
     OVERRIDE_KEYS,
     load_task_folder,
     load_tasks,
     needs_import,
     task_from_row,
 )
-from collector.task_model import (  # noqa: F401
+from sandpiper.collector.task_model import (  # noqa: F401
     DEFAULT_TESTS_DEST,
     Task,
     assign_split,

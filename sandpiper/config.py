@@ -152,7 +152,7 @@ class CollectorConfig(_Part):
     """Action format: ``hermes`` (JSON in <tool_call>), ``qwen3_coder`` (XML), or
     ``bash_block``: one fenced bash block per reply, results as the next user turn, finish
     with ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` (mini-swe-agent's protocol; for
-    models not trained on tool-call markup). See :mod:`collector.parsers`."""
+    models not trained on tool-call markup). See :mod:`sandpiper.collector.parsers`."""
     validation_every_versions: int = 0
     """Run the validation split every N new policy versions (0 = never)."""
     status_interval_s: float = 5.0

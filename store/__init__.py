@@ -4,7 +4,7 @@
 Importing ``store`` is cheap (SQLAlchemy and pyarrow, no duckdb/psycopg until a Store opens).
 """
 
-from store.store import Store
-from store.writer import GroupWriter
+from sandpiper.store.store import Store
+from sandpiper.store.writer import GroupWriter
 
 __all__ = ["GroupWriter", "Store"]

@@ -21,8 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sandpiper.errors import StoreError
-from store import schema
-from store.records import GroupRecord, GroupStatus, Split, TrainEpisode
+from sandpiper.store import schema
+from sandpiper.store.records import GroupRecord, GroupStatus, Split, TrainEpisode
 
 MIN_VALID_FOR_ADVANTAGE = 2
 """A train group with fewer valid episodes than this cannot have an advantage: ``invalid``."""
@@ -175,7 +175,7 @@ def convert_groups(
     """Flatten whole groups into one Arrow table per bulk table (keys: table names), and
     whether every stored logprob is finite and every stored policy version an integer >= 0.
 
-    The flag is the ingest check of :mod:`store.validation` done on the buffers this
+    The flag is the ingest check of :mod:`sandpiper.store.validation` done on the buffers this
     conversion concatenates anyway (~0.01 s instead of ~0.03 s CPU per 2,000 trajectories ×
     20 turns × 500 tokens): when it is True no episode needs invalidating. False only says
     "look closer": it also covers turns that are not trainable, which the check ignores.

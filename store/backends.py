@@ -25,8 +25,8 @@ import pyarrow.compute as pc
 import sqlalchemy as sa
 
 from sandpiper.errors import StoreError
-from store import schema
-from store.locking import DuckDBFileLock
+from sandpiper.store import schema
+from sandpiper.store.locking import DuckDBFileLock
 
 _DUCKDB_CONFIG: dict[str, Any] = {"autoinstall_known_extensions": False}
 """Only bundled extensions exist offline; never try to download one."""

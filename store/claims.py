@@ -15,8 +15,8 @@ from datetime import datetime, timedelta
 import numpy as np
 import sqlalchemy as sa
 
-from store import arrow_io, leases, schema
-from store.records import (
+from sandpiper.store import arrow_io, leases, schema
+from sandpiper.store.records import (
     Fence,
     GroupStatus,
     Split,
@@ -49,7 +49,7 @@ def claim(
     lease_s: float,
     fence: Fence | None = None,
 ):
-    """See :meth:`store.Store.claim_batch`; with ``fence``, only the run's leader may claim."""
+    """See :meth:`sandpiper.store.Store.claim_batch`; with ``fence``, only the run's leader may claim."""
     gs, g, pol = T.group_states, T.groups, T.policies
     now = utcnow()
     with store._write() as conn:

@@ -33,8 +33,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from sandpiper.errors import StoreError, TaskError
-from store import schema
-from store.records import CollectorRecord, SlotLease, Split
+from sandpiper.store import schema
+from sandpiper.store.records import CollectorRecord, SlotLease, Split
 
 log = logging.getLogger(__name__)
 T = schema

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from store import arrow_io, schema
+from sandpiper.store import arrow_io, schema
 
 PARTITIONED = ("groups", "episodes", "turns", "tool_calls")
 WHOLE = ("runs", "policies", "tasks", "learner_steps")

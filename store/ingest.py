@@ -24,8 +24,8 @@ from datetime import datetime
 import pyarrow as pa
 import sqlalchemy as sa
 
-from store import arrow_io, collectors, schema
-from store.records import GroupRecord, WriteOutcome, WriteReport, utcnow
+from sandpiper.store import arrow_io, collectors, schema
+from sandpiper.store.records import GroupRecord, WriteOutcome, WriteReport, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +94,11 @@ def _finish_slots(store, conn: sa.Connection, groups: list[GroupRecord], now) ->
 
 def _checked_tables(groups: list[GroupRecord], now: datetime) -> dict[str, pa.Table]:
     """The Arrow tables of ``groups`` with episodes of unusable sampler output stored
-    invalid (:mod:`store.validation`). Converted first and checked on the converted buffers
+    invalid (:mod:`sandpiper.store.validation`). Converted first and checked on the converted buffers
     (the usual case: one pass); only a batch with a suspect value goes through
-    :func:`~store.validation.check_group` group by group, and is converted again if that
+    :func:`~sandpiper.store.validation.check_group` group by group, and is converted again if that
     changed anything."""
-    from store.validation import check_group
+    from sandpiper.store.validation import check_group
 
     tables, sound = arrow_io.convert_groups(groups, now)
     if sound:

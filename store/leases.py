@@ -20,8 +20,8 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 
 from sandpiper.errors import NotLeaderError
-from store import schema as T
-from store.records import Fence, GroupStatus, LeaseRecord
+from sandpiper.store import schema as T
+from sandpiper.store.records import Fence, GroupStatus, LeaseRecord
 
 CLAIMED, READY = GroupStatus.CLAIMED.value, GroupStatus.READY.value
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from sandpiper.errors import SchemaVersionError
-from store import schema
+from sandpiper.store import schema
 
 Migration = Callable[[sa.Connection], None]
 
@@ -102,7 +102,7 @@ def _packed_turns(conn: sa.Connection) -> None:
     (converted with Arrow, a few thousand episodes per round) and the old table dropped,
     all in the caller's transaction.
     """
-    from store.turns_v3 import convert_turns
+    from sandpiper.store.turns_v3 import convert_turns
 
     convert_turns(conn)
 

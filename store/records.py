@@ -26,7 +26,7 @@ import numpy as np
 
 def utcnow() -> datetime:
     """This process's clock, the one every Python-side timestamp comes from (rows, claims).
-    Leases and heartbeats use the store's clock (:func:`store.leases.store_now`), which
+    Leases and heartbeats use the store's clock (:func:`sandpiper.store.leases.store_now`), which
     every host of a run shares."""
     return datetime.now(UTC)
 

@@ -21,7 +21,7 @@ Why packed BLOBs and not INTEGER[] / REAL[] lists (measured with bench/store_ben
 integer/float codecs, 11× the bytes of the same data in Parquet + zstd (402 MB vs 36.5 MB);
 DuckDB cannot zstd a LIST column, but it can a BLOB, and then stores about what Parquet does.
 Reading a packed column back is one ``np.frombuffer`` of the Arrow binary buffer (no list
-flattening). :mod:`store.arrow_io` packs and unpacks; ``sandpiper sql`` and the analysis
+flattening). :mod:`sandpiper.store.arrow_io` packs and unpacks; ``sandpiper sql`` and the analysis
 API show the arrays as lists.
 """
 

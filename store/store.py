@@ -22,10 +22,10 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from sandpiper.errors import DuplicateGroupError, PolicyConflictError, StoreError
-from store import leases, migrations, schema
-from store.backends import DuckDBBackend, make_backend
-from store.claims import claim, load_episodes
-from store.records import (
+from sandpiper.store import leases, migrations, schema
+from sandpiper.store.backends import DuckDBBackend, make_backend
+from sandpiper.store.claims import claim, load_episodes
+from sandpiper.store.records import (
     CollectorRecord,
     Fence,
     GroupRecord,
@@ -284,8 +284,8 @@ class Store:
         spool_dir: str | None = None,
         on_outcome=None,
     ):
-        """A :class:`~store.writer.GroupWriter` (durable spool + background batch commits)."""
-        from store.writer import GroupWriter
+        """A :class:`~sandpiper.store.writer.GroupWriter` (durable spool + background batch commits)."""
+        from sandpiper.store.writer import GroupWriter
 
         return GroupWriter(
             self,
@@ -309,7 +309,7 @@ class Store:
         """Commit whole groups in one transaction; returns how many were newly stored.
 
         Episodes with unusable sampler output (non-finite logprobs or versions on sampled
-        tokens) are stored invalid, see :mod:`store.validation`.
+        tokens) are stored invalid, see :mod:`sandpiper.store.validation`.
 
         Re-sending a stored group (same episodes) is a no-op; a group id stored with other
         episodes, or a group whose slot was re-issued, raises :class:`DuplicateGroupError`
@@ -322,7 +322,7 @@ class Store:
 
     def write_groups_report(self, groups: list[GroupRecord]) -> WriteReport:
         """Commit whole groups in one transaction (Arrow bulk insert): see ``store.ingest``."""
-        from store.ingest import write
+        from sandpiper.store.ingest import write
 
         return write(self, groups)
 
@@ -332,38 +332,38 @@ class Store:
         self, *, run_id: str, host: str | None = None, collector_id: str | None = None
     ) -> str:
         """Register this process as a collector of ``run_id``; returns its unique id."""
-        from store import collectors
+        from sandpiper.store import collectors
 
         return collectors.register(self, run_id=run_id, host=host, collector_id=collector_id)
 
     def heartbeat_collector(self, collector_id: str, *, policy_version: int | None = None) -> bool:
         """Renew its heartbeat (and announce the policy version it serves or is about to
         load); False if the store holds it as stopped (or does not know it)."""
-        from store import collectors
+        from sandpiper.store import collectors
 
         return collectors.heartbeat(self, collector_id, policy_version=policy_version)
 
     def collector_policy_versions(self, *, run_id: str, within_s: float) -> set[int]:
         """Versions that collectors of ``run_id`` with a heartbeat younger than ``within_s``
         serve or are loading (checkpoint retention keeps them)."""
-        from store import collectors
+        from sandpiper.store import collectors
 
         return collectors.referenced_versions(self, run_id=run_id, within_s=within_s)
 
     def stop_collector(self, collector_id: str) -> int:
         """Mark it stopped and free its leased slots at once; returns the slots freed."""
-        from store import collectors
+        from sandpiper.store import collectors
 
         return collectors.stop(self, collector_id)
 
     def collectors(self, run_id: str | None = None) -> list[CollectorRecord]:
-        from store import collectors
+        from sandpiper.store import collectors
 
         return collectors.collectors(self, run_id=run_id)
 
     def collector_liveness(self, *, ttl_s: float) -> dict[str, bool]:
         """Every registered collector id -> live (heartbeat younger than ``ttl_s``, running)."""
-        from store import collectors
+        from sandpiper.store import collectors
 
         return collectors.liveness(self, ttl_s=ttl_s)[1]
 
@@ -379,7 +379,7 @@ class Store:
         only: Sequence[str] | None = None,
     ) -> list[SlotLease]:
         """The next ``n`` task slots for this collector (``tasks``: its ``(task_id, rank)``)."""
-        from store import collectors
+        from sandpiper.store import collectors
 
         return collectors.claim(
             self, run_id=run_id, collector_id=collector_id, tasks=tasks, split=split,
@@ -392,12 +392,12 @@ class Store:
 
     def release_slot(self, lease: SlotLease) -> bool:
         """Hand an unfinished slot back for re-issue; False if it was already re-issued."""
-        from store import collectors
+        from sandpiper.store import collectors
 
         return collectors.release(self, lease)
 
     def slot_counts(self, run_id: str) -> dict[str, int]:
-        from store import collectors
+        from sandpiper.store import collectors
 
         return collectors.slot_counts(self, run_id)
 

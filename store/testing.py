@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from store.records import (
+from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,
     GroupSampling,

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import sqlalchemy as sa
 
-from store import arrow_io, schema
-from store.backends import fetch_arrow, insert_arrow
+from sandpiper.store import arrow_io, schema
+from sandpiper.store.backends import fetch_arrow, insert_arrow
 
 OLD_TABLE = "turns_v3"
 EPISODES_PER_ROUND = 2000

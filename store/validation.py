@@ -24,7 +24,7 @@ import logging
 
 import numpy as np
 
-from store.records import EpisodeRecord, GroupRecord, StopReason, TurnRecord
+from sandpiper.store.records import EpisodeRecord, GroupRecord, StopReason, TurnRecord
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ same spool directory after a crash commits what it finds there; ingest is idempo
 ``group_id``, so a group committed just before the crash (spool file not yet deleted) is
 stored once (reported ``replayed``).
 
-Every group's outcome (:class:`~store.records.WriteOutcome`) is reported back through
+Every group's outcome (:class:`~sandpiper.store.records.WriteOutcome`) is reported back through
 ``on_outcome(group, outcome)`` (called on the writer thread) and counted. A group the store
 refuses — a ``duplicate`` id with other content or a ``superseded`` slot — is logged as an
 error, counted in ``rejected_groups`` and moved to ``<spool>/rejected/`` (kept for
@@ -34,7 +34,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from sandpiper.errors import StoreError
-from store.records import GroupRecord, GroupSampling, WriteOutcome
+from sandpiper.store.records import GroupRecord, GroupSampling, WriteOutcome
 
 log = logging.getLogger(__name__)
 

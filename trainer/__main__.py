@@ -1,5 +1,5 @@
-"""``python -m trainer`` (what the DeepSpeed launcher and torchrun start in each process)."""
+"""``python -m sandpiper.trainer`` (what the DeepSpeed launcher and torchrun start in each process)."""
 
-from trainer.main import main
+from sandpiper.trainer.main import main
 
 main()

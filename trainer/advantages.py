@@ -18,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 
-from store.records import TrainGroup
+from sandpiper.store.records import TrainGroup
 
 
 @dataclass(frozen=True, slots=True)

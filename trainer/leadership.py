@@ -21,8 +21,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sandpiper.errors import NotLeaderError, StoreError
-from store.records import Fence
-from trainer.engine import broadcast_from_main
+from sandpiper.store.records import Fence
+from sandpiper.trainer.engine import broadcast_from_main
 
 log = logging.getLogger("sandpiper.learner")
 

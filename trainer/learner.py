@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from sandpiper.config import RunConfig
 from sandpiper.errors import LearnerError, NotLeaderError, PolicyConflictError, StoreError
-from store.records import Fence, LeaseRecord, PolicyRecord, TrainBatch, TrainEpisode
-from trainer import resume
-from trainer.advantages import batch_advantages
-from trainer.checkpoint import (
+from sandpiper.store.records import Fence, LeaseRecord, PolicyRecord, TrainBatch, TrainEpisode
+from sandpiper.trainer import resume
+from sandpiper.trainer.advantages import batch_advantages
+from sandpiper.trainer.checkpoint import (
     commit_folder,
     load_model,
     load_tokenizer,
@@ -44,13 +44,13 @@ from trainer.checkpoint import (
     temp_folder,
     write_weights,
 )
-from trainer.engine import World, broadcast_from_main, build_engine, full_state_dict
-from trainer.leadership import LeaseKeeper, new_learner_id, wait_for_leadership
-from trainer.loss import LossConfig, LossStats, grpo_loss
-from trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
-from trainer.packing import MicroBatch, TrainSequence, packed_logprobs
-from trainer.retention import RetentionPolicy, prune_checkpoints
-from trainer.tracking import Tracker
+from sandpiper.trainer.engine import World, broadcast_from_main, build_engine, full_state_dict
+from sandpiper.trainer.leadership import LeaseKeeper, new_learner_id, wait_for_leadership
+from sandpiper.trainer.loss import LossConfig, LossStats, grpo_loss
+from sandpiper.trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
+from sandpiper.trainer.packing import MicroBatch, TrainSequence, packed_logprobs
+from sandpiper.trainer.retention import RetentionPolicy, prune_checkpoints
+from sandpiper.trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
 

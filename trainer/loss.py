@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 
 from sandpiper.config import LearnerConfig
-from trainer.corrections import gspo_log_ratio, m2po_keep, rejection_keep
+from sandpiper.trainer.corrections import gspo_log_ratio, m2po_keep, rejection_keep
 
 _LEARNER = LearnerConfig()
 """Defaults of the loss knobs come from ``LearnerConfig``: one place declares them."""

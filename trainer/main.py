@@ -1,8 +1,8 @@
-"""Learner process entry point: ``python -m trainer --config run.toml [--algo sft] [overrides]``.
+"""Learner process entry point: ``python -m sandpiper.trainer --config run.toml [--algo sft] [overrides]``.
 
 ``sandpiper learn`` calls :func:`run_learner` in-process for one process, or starts
-``deepspeed --num_gpus N --no_local_rank --module trainer ...`` for several (the DeepSpeed
-launcher sets RANK / WORLD_SIZE / ... for each process; ``torchrun -m trainer`` works too).
+``deepspeed --num_gpus N --no_local_rank --module sandpiper.trainer ...`` for several (the DeepSpeed
+launcher sets RANK / WORLD_SIZE / ... for each process; ``torchrun -m sandpiper.trainer`` works too).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from sandpiper.config import RunConfig, load_config, write_resolved
 from sandpiper.version import code_version
 
 if TYPE_CHECKING:  # torch is imported late: `sandpiper --help` stays fast
-    from trainer.engine import World
+    from sandpiper.trainer.engine import World
 
 
 def run_learner(cfg: RunConfig) -> int:
     """Run GRPO (until ``max_steps`` / ``max_idle_s``) or one SFT pass; returns steps done."""
-    from trainer.engine import init_distributed, shutdown_distributed
+    from sandpiper.trainer.engine import init_distributed, shutdown_distributed
 
     world = init_distributed()  # before anything imports deepspeed with the wrong accelerator
     clean = False
@@ -36,11 +36,11 @@ def run_learner(cfg: RunConfig) -> int:
 def _run(cfg: RunConfig, world: World) -> int:
     _log_to_stderr()
 
-    from store import Store
-    from store.records import RunRecord
-    from trainer.learner import Learner
-    from trainer.sft import run_sft
-    from trainer.tracking import Tracker
+    from sandpiper.store import Store
+    from sandpiper.store.records import RunRecord
+    from sandpiper.trainer.learner import Learner
+    from sandpiper.trainer.sft import run_sft
+    from sandpiper.trainer.tracking import Tracker
 
     store = None
     if world.is_main:

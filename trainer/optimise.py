@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.engine import World
-from trainer.loss import LossStats
-from trainer.packing import (
+from sandpiper.trainer.engine import World
+from sandpiper.trainer.loss import LossStats
+from sandpiper.trainer.packing import (
     MicroBatch,
     TrainSequence,
     pack,

@@ -41,12 +41,12 @@ import torch
 
 from sandpiper.config import LearnerConfig, _parse_value
 from sandpiper.errors import ConfigError, LearnerError
-from store.records import TrainGroup
-from trainer.advantages import batch_advantages
-from trainer.engine import World
-from trainer.loss import LossConfig, LossStats, grpo_loss
-from trainer.optimise import shard
-from trainer.packing import (
+from sandpiper.store.records import TrainGroup
+from sandpiper.trainer.advantages import batch_advantages
+from sandpiper.trainer.engine import World
+from sandpiper.trainer.loss import LossConfig, LossStats, grpo_loss
+from sandpiper.trainer.optimise import shard
+from sandpiper.trainer.packing import (
     MicroBatch,
     TrainSequence,
     pack_rows,
@@ -291,7 +291,7 @@ def consumed_steps(store: Any, run_id: str, steps: tuple[int, int] | None) -> li
     order the learner claimed them (commit time, then id)."""
     import sqlalchemy as sa
 
-    from store import schema as T
+    from sandpiper.store import schema as T
 
     ls, gs, g, pol = T.learner_steps, T.group_states, T.groups, T.policies
     q = sa.select(ls.c.step, ls.c.policy_version).where(ls.c.run_id == run_id)
@@ -326,7 +326,7 @@ def run_learner_config(store: Any, run_id: str, fallback: LearnerConfig) -> Lear
     dropped); ``fallback`` when the store holds none."""
     import sqlalchemy as sa
 
-    from store import schema as T
+    from sandpiper.store import schema as T
 
     with store.connect_readonly() as conn:
         stored = conn.execute(
@@ -354,8 +354,8 @@ def replay_run(
 ) -> ReplayResult:
     """Replay every step in ``steps`` (see the module docstring); ``variants[0]`` must be the
     reference. ``progress(step, rows)`` is called after each step."""
-    from store.claims import load_groups
-    from trainer.checkpoint import load_model
+    from sandpiper.store.claims import load_groups
+    from sandpiper.trainer.checkpoint import load_model
 
     result = ReplayResult(run_id, [{"name": v.name, "overrides": v.overrides} for v in variants])
     batches = consumed_steps(store, run_id, steps)

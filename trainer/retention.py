@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from store.records import PolicyRecord, utcnow
-from trainer.checkpoint import FOLDER_RE
+from sandpiper.store.records import PolicyRecord, utcnow
+from sandpiper.trainer.checkpoint import FOLDER_RE
 
 log = logging.getLogger("sandpiper.learner")
 

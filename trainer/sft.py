@@ -14,11 +14,11 @@ import time
 import numpy as np
 import torch
 
-from trainer.engine import broadcast_from_main
-from trainer.learner import Learner
-from trainer.loss import LossStats
-from trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
-from trainer.packing import MicroBatch, TrainSequence
+from sandpiper.trainer.engine import broadcast_from_main
+from sandpiper.trainer.learner import Learner
+from sandpiper.trainer.loss import LossStats
+from sandpiper.trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
+from sandpiper.trainer.packing import MicroBatch, TrainSequence
 
 
 def sft_sequences(learner: Learner) -> list[TrainSequence]:

@@ -1,7 +1,7 @@
 """The calls of one gateway episode become one stored trajectory (the native turn layout).
 
 - The first call, and every call that does not extend the previous one token for token
-  (see :mod:`collector.gateway.session`), contributes a ``user`` turn holding its whole
+  (see :mod:`sandpiper.collector.gateway.session`), contributes a ``user`` turn holding its whole
   prompt: a **segment start**. The learner trains each segment as its own sequence, all
   segments of an episode sharing the episode's advantage (``TrainEpisode.segment_starts``).
 - An extending call contributes a ``tool`` turn with only the appended ids (tool results,
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from collector.gateway.session import GatewayCall
-from store.records import Role, ToolCallRecord, ToolErrorKind, TurnRecord
+from sandpiper.collector.gateway.session import GatewayCall
+from sandpiper.store.records import Role, ToolCallRecord, ToolErrorKind, TurnRecord
 
 
 @dataclass(frozen=True, slots=True)

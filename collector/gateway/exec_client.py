@@ -1,6 +1,6 @@
 """Run a command in the episode's sandbox from an external agent (the host side of exec).
 
-    python -m collector.gateway.exec_client 'ls -la /workspace'
+    python -m sandpiper.collector.gateway.exec_client 'ls -la /workspace'
 
 prints the command's output and exits with its exit status (124 on a timeout, 125 when the
 gateway refused or could not be reached). The episode comes from ``SANDPIPER_EXEC_URL``,

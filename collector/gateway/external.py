@@ -9,8 +9,8 @@ starting that command on the collector's host with:
 - ``SANDPIPER_EXEC_URL`` = ``.../episodes/<id>/exec``: the agent's commands go there and
   run in the episode's sandbox through the same ``execute_bash`` tool the native loop uses
   (same uid, caps, timeouts). The sandbox keeps ``--network none``: the agent runs outside
-  it and executes inside it. ``python -m collector.gateway.exec_client CMD`` is a shell
-  shim; :mod:`collector.gateway.minisweagent_env` is a mini-swe-agent environment;
+  it and executes inside it. ``python -m sandpiper.collector.gateway.exec_client CMD`` is a shell
+  shim; :mod:`sandpiper.collector.gateway.minisweagent_env` is a mini-swe-agent environment;
 - ``SANDPIPER_TASK`` = the task's instruction (also in the file ``SANDPIPER_TASK_FILE``).
 
 The episode ends when the process exits or ``agent_timeout_s`` passes (its process group is
@@ -41,13 +41,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from collector.agent import EpisodeLimits, ToolRunner, finish_episode, prepare_sandbox
-from collector.gateway.assembly import assemble
-from collector.gateway.server import Gateway
-from collector.sandbox.base import ToolSandbox
-from collector.tasks import Task
+from sandpiper.collector.agent import EpisodeLimits, ToolRunner, finish_episode, prepare_sandbox
+from sandpiper.collector.gateway.assembly import assemble
+from sandpiper.collector.gateway.server import Gateway
+from sandpiper.collector.sandbox.base import ToolSandbox
+from sandpiper.collector.tasks import Task
 from sandpiper.errors import SandboxError, SandpiperError, TaskError
-from store.records import INFRA_STOPS, EpisodeRecord, StopReason, ToolErrorKind, utcnow
+from sandpiper.store.records import INFRA_STOPS, EpisodeRecord, StopReason, ToolErrorKind, utcnow
 
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 _LOG_TAIL_BYTES = 2000

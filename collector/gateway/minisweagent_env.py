@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from collector.gateway.exec_client import run
+from sandpiper.collector.gateway.exec_client import run
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 

@@ -3,12 +3,12 @@
 ``Gateway`` is the Python API the collector uses (and ``sandpiper gateway`` serves
 standalone). An episode is opened (:meth:`Gateway.open_episode`), its agent is given
 ``{gateway}/episodes/<episode_id>/v1`` as ``OPENAI_BASE_URL``, and every call it makes is
-rendered with the run's chat template (:class:`collector.render.ChatRenderer`), sent as
-token ids through the run's :class:`~collector.inference.base.PolicyClient` (the same client,
+rendered with the run's chat template (:class:`sandpiper.collector.render.ChatRenderer`), sent as
+token ids through the run's :class:`~sandpiper.collector.inference.base.PolicyClient` (the same client,
 routing and retries as the native loop), parsed with the run's tool-call parser
-(:func:`collector.parsers.parse_tool_calls`) and recorded with its prompt ids, sampled ids,
-sampling logprobs and per-token policy versions (:class:`~collector.gateway.session.
-EpisodeSession`). Closing the episode hands the calls to :mod:`collector.gateway.assembly`.
+(:func:`sandpiper.collector.parsers.parse_tool_calls`) and recorded with its prompt ids, sampled ids,
+sampling logprobs and per-token policy versions (:class:`~sandpiper.collector.gateway.session.
+EpisodeSession`). Closing the episode hands the calls to :mod:`sandpiper.collector.gateway.assembly`.
 
 Routes (``/episodes/<id>/v1`` is the base URL an OpenAI client is given):
 
@@ -16,7 +16,7 @@ Routes (``/episodes/<id>/v1`` is the base URL an OpenAI client is given):
 - ``POST /episodes/<id>/v1/completions`` (a text prompt, no chat template)
 - ``GET  /episodes/<id>/v1/models``
 - ``POST /episodes/<id>/exec`` — run a command in the episode's sandbox (external agents,
-  see :mod:`collector.gateway.external`); 404 unless the episode has a sandbox.
+  see :mod:`sandpiper.collector.gateway.external`); 404 unless the episode has a sandbox.
 - ``POST /episodes`` / ``POST /episodes/<id>/close`` — open / close an episode (standalone
   use; the collector calls the Python methods).
 
@@ -41,20 +41,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from collector.gateway import openai_api as api
-from collector.gateway.assembly import call_id
-from collector.gateway.session import BudgetSpent, EpisodeSession
-from collector.inference.base import PolicyClient, SamplingParams
-from collector.inference.vllm_client import ContextLengthExceeded
-from collector.parsers import (
+from sandpiper.collector.gateway import openai_api as api
+from sandpiper.collector.gateway.assembly import call_id
+from sandpiper.collector.gateway.session import BudgetSpent, EpisodeSession
+from sandpiper.collector.inference.base import PolicyClient, SamplingParams
+from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
+from sandpiper.collector.parsers import (
     DEFAULT_MAX_ARGUMENT_BYTES,
     ParsedMessage,
     ToolFormat,
     parse_tool_calls,
 )
-from collector.render import ChatRenderer
+from sandpiper.collector.render import ChatRenderer
 from sandpiper.errors import InferenceError
-from store.records import utcnow
+from sandpiper.store.records import utcnow
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ log = logging.getLogger(__name__)
 async def serve(config: RunConfig, *, host: str, port: int, stop: asyncio.Event) -> None:
     from transformers import AutoTokenizer
 
-    from collector.agent import EpisodeLimits
-    from collector.gateway.server import Gateway, GatewaySettings
-    from collector.inference.vllm_client import VLLMPolicyClient
-    from collector.render import renderer_for
-    from collector.run_setup import open_store, start_run_servers
+    from sandpiper.collector.agent import EpisodeLimits
+    from sandpiper.collector.gateway.server import Gateway, GatewaySettings
+    from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
+    from sandpiper.collector.render import renderer_for
+    from sandpiper.collector.run_setup import open_store, start_run_servers
 
     tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
     renderer = renderer_for(tokenizer, config)  # the collector's: template, action format

@@ -46,7 +46,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from collector.inference.base import Generation, SamplingParams
+from sandpiper.collector.inference.base import Generation, SamplingParams
 from sandpiper.config import InferenceConfig
 from sandpiper.errors import InferenceError
 
@@ -66,7 +66,7 @@ class _Retryable(InferenceError):
 
 
 class VLLMPolicyClient:
-    """:class:`~collector.inference.base.PolicyClient` over vLLM servers (async context manager)."""
+    """:class:`~sandpiper.collector.inference.base.PolicyClient` over vLLM servers (async context manager)."""
 
     def __init__(
         self,

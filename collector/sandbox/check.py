@@ -30,9 +30,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from collector.sandbox.base import ExecOutcome
-from collector.sandbox.podman import PodmanSandbox, run_podman
-from collector.sandbox.uids import UidSlots
+from sandpiper.collector.sandbox.base import ExecOutcome
+from sandpiper.collector.sandbox.podman import PodmanSandbox, run_podman
+from sandpiper.collector.sandbox.uids import UidSlots
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError, SandboxLimitsNotEnforced
 
@@ -218,7 +218,7 @@ async def _supervisor_untouchable(box: PodmanSandbox, config: SandboxConfig) -> 
 
 
 async def _grading_isolation(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
-    from collector.sandbox.base import GradeRequest
+    from sandpiper.collector.sandbox.base import GradeRequest
 
     site = "/tmp/.local/lib/python3.11/site-packages"
     await box.exec(

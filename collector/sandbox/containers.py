@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from collector.sandbox.podman import remove_containers_by_name, run_podman
+from sandpiper.collector.sandbox.podman import remove_containers_by_name, run_podman
 
 log = logging.getLogger(__name__)
 

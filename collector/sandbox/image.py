@@ -8,7 +8,7 @@ builder's version) is hashed, the image is tagged ``<repo>:<hash12>`` with the l
 A task may extend the base image with its own setup script (:func:`extend_image`), which
 runs ``podman build --pull=never`` on top of the local base image.
 
-Run ``sandpiper sandbox build-image`` (or ``python -m collector.sandbox.image``).
+Run ``sandpiper sandbox build-image`` (or ``python -m sandpiper.collector.sandbox.image``).
 """
 
 from __future__ import annotations

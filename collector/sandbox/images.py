@@ -3,7 +3,7 @@
 The collector's default image (``sandbox.image``) has a pool of ``sandbox.pool_size``
 containers started up front. A task whose folder names an image (``task.toml``:
 ``image = "localhost/my-task:1"``, built for example with
-:func:`collector.sandbox.image.extend_image`) gets a pool for that image on first use, with
+:func:`sandpiper.collector.sandbox.image.extend_image`) gets a pool for that image on first use, with
 ``task_pool_size`` containers, started — and limit-checked — once. Every pool keeps all the
 isolation limits of ``sandbox``; only the image differs.
 """
@@ -41,7 +41,7 @@ class ImagePools:
         image_exists: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         if pool_factory is None:
-            from collector.sandbox.pool import SandboxPool
+            from sandpiper.collector.sandbox.pool import SandboxPool
 
             pool_factory = SandboxPool
             image_exists = image_exists or podman_image_exists

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from enum import StrEnum
 
-from collector.sandbox.containers import (  # noqa: F401 (re-exported: the janitor's API)
+from sandpiper.collector.sandbox.containers import (  # noqa: F401 (re-exported: the janitor's API)
     COLLECTOR_LABEL,
     STORE_LABEL,
     ContainerInfo,
@@ -29,7 +29,7 @@ from collector.sandbox.containers import (  # noqa: F401 (re-exported: the janit
     remove_containers,
     remove_registry,
 )
-from collector.sandbox.podman import remove_containers_by_name
+from sandpiper.collector.sandbox.podman import remove_containers_by_name
 
 GRACE_S = 3600.0
 """Containers of collectors unknown to the store are kept at least this long."""

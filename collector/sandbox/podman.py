@@ -1,4 +1,4 @@
-"""Podman implementation of the :class:`~collector.sandbox.base.Sandbox` Protocol.
+"""Podman implementation of the :class:`~sandpiper.collector.sandbox.base.Sandbox` Protocol.
 
 Driven through the podman CLI from asyncio. Each container runs catatonit (bind-mounted from
 the host, ``-P``) as pid 1, so init survives ``kill -9 -1``; a persistent shell — the
@@ -35,8 +35,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, GradeResult
-from collector.sandbox.uids import UIDMAP_SIZE
+from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, GradeResult
+from sandpiper.collector.sandbox.uids import UIDMAP_SIZE
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError, SandboxLostError
 

@@ -22,7 +22,7 @@ Usage::
     await pool.close()
 
 One pool serves one image (``config.image``); a task image built with
-:func:`collector.sandbox.image.extend_image` gets its own pool.
+:func:`sandpiper.collector.sandbox.image.extend_image` gets its own pool.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Mapping
 
-from collector.sandbox.containers import (  # noqa: F401 (REGISTRY_DIR, read_registry: API)
+from sandpiper.collector.sandbox.containers import (  # noqa: F401 (REGISTRY_DIR, read_registry: API)
     REGISTRY_DIR,
     read_registry,
     remove_containers,
     remove_registry,
     write_registry,
 )
-from collector.sandbox.podman import PodmanSandbox, collector_id, sweep_stale_cgroups
-from collector.sandbox.uids import UidSlots
+from sandpiper.collector.sandbox.podman import PodmanSandbox, collector_id, sweep_stale_cgroups
+from sandpiper.collector.sandbox.uids import UidSlots
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError
 
@@ -71,7 +71,7 @@ class SandboxPool:
 
     async def start(self) -> None:
         """Check the host enforces the limits (cached), then start warming containers."""
-        from collector.sandbox.check import ensure_limits_enforced
+        from sandpiper.collector.sandbox.check import ensure_limits_enforced
 
         self._uids = UidSlots.for_host(self.config)
         await ensure_limits_enforced(self.config)

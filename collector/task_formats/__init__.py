@@ -2,7 +2,7 @@
 
 One module per peer format; each turns the peer's records into Sandpiper task folders (or
 ``Task`` objects) and, where the peer scores answers its own way, owns that scoring function
-(called by :func:`collector.rewards.compute_reward`, so that graders elsewhere can call it
+(called by :func:`sandpiper.collector.rewards.compute_reward`, so that graders elsewhere can call it
 too):
 
 - :mod:`.open_instruct` — open-instruct ``SWERLSandboxEnv`` task folders.

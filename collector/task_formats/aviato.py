@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from collector.task_model import ANSWER_KEYS, row_prompt
+from sandpiper.collector.task_model import ANSWER_KEYS, row_prompt
 from sandpiper.errors import TaskError
 
 TIMEOUT_S = 10

@@ -23,8 +23,8 @@ import threading
 from pathlib import PurePosixPath
 from typing import Any
 
-from collector.answer_scores import rouge
-from collector.task_model import missing_field
+from sandpiper.collector.answer_scores import rouge
+from sandpiper.collector.task_model import missing_field
 from sandpiper.errors import TaskError
 
 WORKDIR = "/workspace"

@@ -32,7 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from collector.task_model import Task, row_prompt, safe_id
+from sandpiper.collector.task_model import Task, row_prompt, safe_id
 from sandpiper.errors import TaskError
 
 SEEDS = "environment/seeds"
@@ -72,7 +72,7 @@ def folder_task(
     system_prompt: str | None = None,
     image_tag: str | None = None,
 ) -> Any:
-    """The :class:`~collector.tasks.Task` of one open-instruct folder; a dataset row's prompt
+    """The :class:`~sandpiper.collector.tasks.Task` of one open-instruct folder; a dataset row's prompt
     and image replace the folder's ``instruction.md`` and ``image.txt``."""
     if instruction is None:
         instruction_file = folder / "instruction.md"

@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from collector.task_model import missing_field
+from sandpiper.collector.task_model import missing_field
 from sandpiper.errors import TaskError
 
 FIELDS = ("prompt", "func_name", "banned_patterns", "tests", "reference")

@@ -1,7 +1,7 @@
 """The tool contract: what the agent loop gets back from running one tool call.
 
 Tool implementations (``execute_bash``, ``str_replace_editor``, ``submit``) live in this
-package and run inside a :class:`collector.sandbox.base.Sandbox`. Usage errors are data
+package and run inside a :class:`sandpiper.collector.sandbox.base.Sandbox`. Usage errors are data
 (``error_kind``), returned to the agent as observations, never raised.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from store.records import ToolErrorKind
+from sandpiper.store.records import ToolErrorKind
 
 
 @dataclass(frozen=True, slots=True)

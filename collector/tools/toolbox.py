@@ -12,7 +12,7 @@ only then (so the agent cannot read them earlier), every process of the agent is
 the task's test command runs as a uid the agent never has, with a clean environment, in a
 workspace of plain files (see ``collector/sandbox/_grader.py``). The reward is read in the
 task's declared result format from where only the tests write
-(:mod:`collector.tools.reward`). The test command is task configuration (trusted); the tests
+(:mod:`sandpiper.collector.tools.reward`). The test command is task configuration (trusted); the tests
 folder and the answer reach it as ``$TESTS_DIR`` and ``$ANSWER_FILE`` — never interpolated
 into a shell string.
 """
@@ -25,14 +25,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES, argument_problem
-from collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, ToolSandbox
-from collector.tools.base import ToolResult
-from collector.tools.editor import Editor, EditorError
-from collector.tools.reward import DEFAULT_RESULT_FORMAT, RESULT_FORMATS, reward_from_result
-from collector.tools.schemas import TOOL_SCHEMAS
+from sandpiper.collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES, argument_problem
+from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, ToolSandbox
+from sandpiper.collector.tools.base import ToolResult
+from sandpiper.collector.tools.editor import Editor, EditorError
+from sandpiper.collector.tools.reward import (
+    DEFAULT_RESULT_FORMAT,
+    RESULT_FORMATS,
+    reward_from_result,
+)
+from sandpiper.collector.tools.schemas import TOOL_SCHEMAS
 from sandpiper.errors import SandboxError, SandboxLostError
-from store.records import ToolErrorKind
+from sandpiper.store.records import ToolErrorKind
 
 MAX_TEST_OUTPUT_CHARS = 4000
 

@@ -18,7 +18,7 @@ FORMATS = ("table", "csv", "json", "parquet")
 
 
 def _store(ctx: typer.Context, config: Path | None):
-    from store import Store
+    from sandpiper.store import Store
 
     cfg = resolve_config(config, ctx)
     return cfg, Store(cfg.store.url, lock_timeout_s=cfg.store.lock_timeout_s)
@@ -28,7 +28,7 @@ def _print_views() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from analysis.views import VIEW_DOCS
+    from sandpiper.analysis.views import VIEW_DOCS
 
     table = Table("view", "one row per / what", header_style="bold")
     for name, doc in VIEW_DOCS.items():
@@ -60,8 +60,8 @@ def register(app: typer.Typer) -> None:
             _print_views()
             return
         with cli_errors():
-            from analysis.formats import OutputFormat, write_frame
-            from analysis.query import QueryError, run_sql
+            from sandpiper.analysis.formats import OutputFormat, write_frame
+            from sandpiper.analysis.query import QueryError, run_sql
 
             if fmt not in FORMATS:
                 raise QueryError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
@@ -86,8 +86,8 @@ def register(app: typer.Typer) -> None:
         with cli_errors():
             from rich.console import Console
 
-            from analysis.api import episode
-            from analysis.transcript import render
+            from sandpiper.analysis.api import episode
+            from sandpiper.analysis.transcript import render
 
             _, store = _store(ctx, config)
             render(episode(store, episode_id), Console(), max_output_chars=max_output_chars)
@@ -114,7 +114,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write an HTML report with plots (reward, pass rates, staleness, IS weights, tools)."""
         with cli_errors():
-            from analysis.report import build_report, log_to_mlflow
+            from sandpiper.analysis.report import build_report, log_to_mlflow
 
             cfg, store = _store(ctx, config)
             if replay is None:

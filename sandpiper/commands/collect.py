@@ -46,12 +46,12 @@ def register(app: typer.Typer) -> None:
             if eval_mode:
                 if not endpoint:
                     raise typer.BadParameter("--eval needs --endpoint URL")
-                from collector.eval import evaluate
+                from sandpiper.collector.eval import evaluate
 
                 n = asyncio.run(evaluate(cfg, endpoint_url=endpoint, model=model, api_key=api_key))
                 typer.echo(f"evaluated {n} tasks; stored as run {cfg.name!r} (split=validation)")
                 return
-            from collector.launch import collect as run_collector
+            from sandpiper.collector.launch import collect as run_collector
 
             async def main() -> None:
                 stop = asyncio.Event()

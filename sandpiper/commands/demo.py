@@ -80,12 +80,12 @@ def register(app: typer.Typer) -> None:
             progress = _Progress(console, cfg.store.url, grpo_cfg.name, started)
             budget = minutes if minutes is not None else spec.minutes
             progress.run(lambda tick: d.run_grpo(grpo_cfg, minutes=budget, on_tick=tick))
-            from analysis.report import build_report
+            from sandpiper.analysis.report import build_report
 
             report = build_report(cfg.store.url, cfg.run_dir / "report", run_id=grpo_cfg.name)
         console.print(progress.table())
         console.print(f"HTML report: {report.html_path}")
-        from trainer.tracking import default_uri
+        from sandpiper.trainer.tracking import default_uri
 
         uri = cfg.tracking.tracking_uri or default_uri(cfg.runs_dir)
         console.print(

@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         import logging
         import signal
 
-        from collector.gateway.standalone import serve
+        from sandpiper.collector.gateway.standalone import serve
 
         cfg = resolve_config(config, ctx)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

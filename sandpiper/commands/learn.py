@@ -36,11 +36,18 @@ def register(app: typer.Typer) -> None:
         cfg = resolve_config(config, ctx)
         if nproc > 1:
             launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-            argv = [launcher, "--num_gpus", str(nproc), "--no_local_rank", "--module", "trainer"]
+            argv = [
+                launcher,
+                "--num_gpus",
+                str(nproc),
+                "--no_local_rank",
+                "--module",
+                "sandpiper.trainer",
+            ]
             argv += (["--config", str(config)] if config else []) + extra
             os.execv(launcher, argv)
         with cli_errors():
-            from trainer.main import run_learner
+            from sandpiper.trainer.main import run_learner
 
             steps = run_learner(cfg)
         typer.echo(f"learner finished after {steps} step(s) in this process")

@@ -89,11 +89,11 @@ def register(app: typer.Typer) -> None:
 
             import polars as pl
 
-            from analysis.formats import OutputFormat, write_frame
-            from analysis.plots import replay as replay_plot
-            from store import Store
-            from trainer import replay as rp
-            from trainer.tracking import log_replay
+            from sandpiper.analysis.formats import OutputFormat, write_frame
+            from sandpiper.analysis.plots import replay as replay_plot
+            from sandpiper.store import Store
+            from sandpiper.trainer import replay as rp
+            from sandpiper.trainer.tracking import log_replay
 
             store = Store(cfg.store.url, lock_timeout_s=cfg.store.lock_timeout_s)
             base = rp.run_learner_config(store, run_id, cfg.learner)

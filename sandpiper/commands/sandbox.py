@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, help="Rebuild even when the recipe hash matches."),
     ) -> None:
         """Build the base image (debootstrap + podman import), unless its recipe is cached."""
-        from collector.sandbox.image import ensure_image
+        from sandpiper.collector.sandbox.image import ensure_image
 
         cfg = resolve_config(config, ctx)
         with cli_errors():
@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         """Prove on this host that every limit holds (fork bomb, OOM, network, uid, ...)."""
         import asyncio
 
-        from collector.sandbox.check import run_checks, save_passing
+        from sandpiper.collector.sandbox.check import run_checks, save_passing
 
         cfg = resolve_config(config, ctx)
 
@@ -60,8 +60,8 @@ def register(app: typer.Typer) -> None:
         `sandbox gc` would decide for each container (live, dead, unknown, other store)."""
         import asyncio
 
-        from collector.sandbox.containers import read_registry
-        from collector.sandbox.janitor import list_containers, verdicts
+        from sandpiper.collector.sandbox.containers import read_registry
+        from sandpiper.collector.sandbox.janitor import list_containers, verdicts
 
         cfg = resolve_config(config, ctx)
         with cli_errors():
@@ -102,7 +102,7 @@ def register(app: typer.Typer) -> None:
         reachable store it removes nothing and exits 1."""
         import asyncio
 
-        from collector.sandbox.janitor import gc as run_gc
+        from sandpiper.collector.sandbox.janitor import gc as run_gc
 
         cfg = resolve_config(config, ctx)
         with cli_errors():
@@ -123,7 +123,7 @@ def register(app: typer.Typer) -> None:
 def _open_store(cfg):
     """The config's store, opened without creating anything (a missing one is an error)."""
     from sandpiper.errors import StoreError
-    from store import Store
+    from sandpiper.store import Store
 
     store = Store(cfg.store.url, lock_timeout_s=cfg.store.lock_timeout_s)
     try:

@@ -18,7 +18,7 @@ UrlOption = Annotated[
 
 
 def _open(ctx: typer.Context, config: Path | None, url: str | None):
-    from store import Store
+    from sandpiper.store import Store
 
     cfg = resolve_config(config, ctx).store
     return Store(url or cfg.url, lock_timeout_s=cfg.lock_timeout_s)
@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Export every table to Parquet, partitioned by policy version."""
         with cli_errors():
-            from store.export import export_parquet
+            from sandpiper.store.export import export_parquet
 
             rows = export_parquet(_open(ctx, config, url), parquet)
             typer.echo(json.dumps(rows))

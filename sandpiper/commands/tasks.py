@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
         LLM-in-Sandbox-RL rows and the
         rllm JSON array, TRL + Daytona code tasks (see docs/tasks.md). OUT must be new or
         empty; nothing is written unless every record converts."""
-        from collector.tasks import import_tasks
+        from sandpiper.collector.tasks import import_tasks
 
         with cli_errors():
             tasks = import_tasks(
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         split_seed: Annotated[int, typer.Option(help="Seed of the hash split.")] = 0,
     ) -> None:
         """Print one line per task: id, split, format, reward kind."""
-        from collector.tasks import load_tasks
+        from sandpiper.collector.tasks import load_tasks
 
         with cli_errors():
             tasks = load_tasks(

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from collector.inference.base import Generation, SamplingParams
-from collector.parsers import SUBMIT_SENTINEL
+from sandpiper.collector.inference.base import Generation, SamplingParams
+from sandpiper.collector.parsers import SUBMIT_SENTINEL
 from sandpiper.config import RunConfig, write_resolved
 from sandpiper.demo.tasks import INSTRUCTION, demonstration, write_demo_tasks
 from sandpiper.errors import SandpiperError
@@ -160,7 +160,7 @@ def collect_demonstrations(config: RunConfig, *, compute_fraction: float) -> Non
     """Run the real collector with the scripted demonstrator until every task has one."""
     from transformers import AutoTokenizer
 
-    from collector.launch import collect
+    from sandpiper.collector.launch import collect
 
     tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
     teacher = Demonstrator(
@@ -187,7 +187,7 @@ def process_env() -> dict[str, str]:
 
 def run_sft(config: RunConfig, log_path: Path) -> str:
     """``sandpiper learn --algo sft`` in its own process; returns the new checkpoint."""
-    from store import Store
+    from sandpiper.store import Store
 
     path = write_resolved(config)
     with log_path.open("ab") as log:
@@ -204,7 +204,7 @@ def run_sft(config: RunConfig, log_path: Path) -> str:
 
 def reward_table(store_url: str, run_id: str) -> Any:
     """Reward by policy version as a polars DataFrame (empty until episodes exist)."""
-    from analysis import api
+    from sandpiper.analysis import api
 
     columns = ["policy_version", "n_episodes", "n_valid", "reward_mean", "pass_rate"]
     return api.reward_by_version(store_url, run_id=run_id).select(columns).sort("policy_version")

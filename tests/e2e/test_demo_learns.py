@@ -50,7 +50,7 @@ def _services_ready(model_dir: Path) -> None:
 
 
 def _rows(url: str, sql: str, **params) -> list:
-    from store import Store
+    from sandpiper.store import Store
 
     with Store(url).connect_readonly() as conn:
         return list(conn.execute(text(sql), params).all())

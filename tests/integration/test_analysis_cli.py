@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-from analysis import api
+from sandpiper.analysis import api
 from sandpiper.cli import app
 
 pytestmark = pytest.mark.integration
@@ -84,8 +84,8 @@ def test_parquet_needs_out(analysis_duckdb_url: str) -> None:
 
 def test_sql_reads_while_a_writer_commits(tmp_path) -> None:
     """Readers wait briefly for the writer's lock and never fail or see partial groups."""
-    from analysis.synthetic import populate, synthetic_run
-    from store import Store
+    from sandpiper.analysis.synthetic import populate, synthetic_run
+    from sandpiper.store import Store
 
     url = f"duckdb:///{tmp_path / 'live.duckdb'}"
     store = Store(url)
@@ -142,7 +142,7 @@ def test_report_has_every_plot(analysis_store_url: str, tmp_path) -> None:
 
 def test_report_of_an_empty_store(tmp_path) -> None:
     """A store with no episodes yet still renders every section (plots say "no data")."""
-    from store import Store
+    from sandpiper.store import Store
 
     url = f"duckdb:///{tmp_path / 'empty.duckdb'}"
     Store(url).init()
@@ -152,8 +152,8 @@ def test_report_of_an_empty_store(tmp_path) -> None:
 
 
 def test_report_never_mixes_runs(tmp_path) -> None:
-    from analysis.synthetic import populate, synthetic_run
-    from store import Store
+    from sandpiper.analysis.synthetic import populate, synthetic_run
+    from sandpiper.store import Store
 
     url = f"duckdb:///{tmp_path / 'two.duckdb'}"
     store = Store(url)

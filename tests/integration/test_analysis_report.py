@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.report import build_report
+from sandpiper.analysis.report import build_report
 
 pytestmark = pytest.mark.integration
 
@@ -76,7 +76,7 @@ def test_report_is_logged_to_mlflow(report_dir: Path, tmp_path: Path, monkeypatc
 
     monkeypatch.chdir(tmp_path)  # anything MLflow would drop into the cwd stays in tmp
 
-    from analysis.report import ReportResult, log_to_mlflow
+    from sandpiper.analysis.report import ReportResult, log_to_mlflow
     from sandpiper.config import TrackingConfig
 
     tracking = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="t")

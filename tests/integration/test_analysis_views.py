@@ -8,9 +8,9 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from analysis import api
-from analysis.views import IMPORTANCE_METRICS, VIEW_NAMES
-from store.records import ToolErrorKind
+from sandpiper.analysis import api
+from sandpiper.analysis.views import IMPORTANCE_METRICS, VIEW_NAMES
+from sandpiper.store.records import ToolErrorKind
 
 pytestmark = pytest.mark.integration
 
@@ -156,7 +156,7 @@ def test_concurrent_first_readers_create_the_views_once(analysis_empty_postgres_
     """Several readers of a store without views: all succeed, the DDL runs safely once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from analysis.views import VIEWS_VERSION
+    from sandpiper.analysis.views import VIEWS_VERSION
 
     def read(_: int) -> int:
         return api.episodes(analysis_empty_postgres_url).height

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from collector.tasks import Task, load_task_folder
-from store.records import StopReason
+from sandpiper.collector.tasks import Task, load_task_folder
+from sandpiper.store.records import StopReason
 from tests.integration.test_reward_forging import (
     SUBMIT,
     Harness,

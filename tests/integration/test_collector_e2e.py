@@ -69,9 +69,9 @@ def _rows(store, sql: str) -> list[tuple]:
 
 
 def test_short_run_stores_token_exact_groups(vllm_server, sandbox_image, tmp_path):
-    from collector.launch import collect
-    from store import Store
-    from store.arrow_io import expand_versions, unpack_one
+    from sandpiper.collector.launch import collect
+    from sandpiper.store import Store
+    from sandpiper.store.arrow_io import expand_versions, unpack_one
 
     toml = _config_toml(
         tmp_path, vllm_server, name="it-short", tasks=str(REPO / "tasks/folders"), max_groups=2
@@ -136,7 +136,7 @@ def _wait_for_groups(store, n: int, proc: subprocess.Popen, log: Path, timeout_s
 
 
 def test_sigkill_and_restart_no_duplicates_no_leftovers(vllm_server, sandbox_image, tmp_path):
-    from store import Store
+    from sandpiper.store import Store
 
     toml = _config_toml(
         tmp_path, vllm_server, name="it-crash", tasks=str(REPO / "tasks/demo.jsonl")
@@ -175,10 +175,10 @@ def test_sigkill_and_restart_no_duplicates_no_leftovers(vllm_server, sandbox_ima
 
 
 def test_a_policy_registered_in_the_store_is_hot_loaded(vllm_server, sandbox_image, tmp_path):
-    from collector.inference.vllm_client import VLLMPolicyClient
-    from collector.launch import collect
-    from store import Store
-    from store.records import PolicyRecord
+    from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
+    from sandpiper.collector.launch import collect
+    from sandpiper.store import Store
+    from sandpiper.store.records import PolicyRecord
     from tests.integration.test_hot_reload import perturbed_checkpoint
 
     toml = _config_toml(
@@ -229,8 +229,8 @@ def test_a_policy_registered_in_the_store_is_hot_loaded(vllm_server, sandbox_ima
 
 
 def test_eval_mode_against_the_chat_endpoint(vllm_server, sandbox_image, tmp_path):
-    from collector.eval import evaluate
-    from store import Store
+    from sandpiper.collector.eval import evaluate
+    from sandpiper.store import Store
 
     toml = _config_toml(
         tmp_path, vllm_server, name="it-eval", tasks=str(REPO / "tasks/folders"),

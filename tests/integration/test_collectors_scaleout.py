@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from store import Store
+from sandpiper.store import Store
 from tests.conftest import REPO
 from tests.integration.test_store_backends import store_url  # noqa: F401  (fixture)
 

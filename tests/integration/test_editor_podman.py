@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from collector.tools.editor import TRUNCATED_MESSAGE, VIEW_READ_BYTES, Editor, EditorError
+from sandpiper.collector.tools.editor import TRUNCATED_MESSAGE, VIEW_READ_BYTES, Editor, EditorError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from collector.agent import EpisodeLimits, default_toolbox_factory, run_pooled_episode
-from collector.policy import TokenPolicy
-from collector.render import ChatRenderer
-from collector.tasks import load_task_folder
-from collector.tools import TOOL_SCHEMAS
-from store.records import StopReason, ToolErrorKind
+from sandpiper.collector.agent import EpisodeLimits, default_toolbox_factory, run_pooled_episode
+from sandpiper.collector.policy import TokenPolicy
+from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.tasks import load_task_folder
+from sandpiper.collector.tools import TOOL_SCHEMAS
+from sandpiper.store.records import StopReason, ToolErrorKind
 from tests.fixtures.collector import ScriptedPolicy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -97,7 +97,7 @@ class Harness:
 def harness(sandbox_config, sandbox_image, tiny_tokenizer, tmp_path_factory):
     import contextlib
 
-    from collector.sandbox.images import ImagePools
+    from sandpiper.collector.sandbox.images import ImagePools
 
     @contextlib.asynccontextmanager
     async def make():

@@ -96,7 +96,7 @@ def _config(tmp_path: Path) -> RunConfig:
 
 
 def _rows(url: str, sql: str) -> list[tuple]:
-    from store import Store
+    from sandpiper.store import Store
 
     with Store(url).connect_readonly() as conn:
         return [tuple(r) for r in conn.execute(sa.text(sql))]
@@ -105,7 +105,7 @@ def _rows(url: str, sql: str) -> list[tuple]:
 def test_hostile_turns_never_crash_the_daemon_and_every_episode_is_stored(sandbox_image, tmp_path):
     from transformers import AutoTokenizer
 
-    from collector.launch import collect
+    from sandpiper.collector.launch import collect
 
     config = _config(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(config.learner.model)

@@ -59,11 +59,11 @@ def _write_config(tmp_path: Path, vllm_server, tasks: Path) -> Path:
 
 def test_mini_swe_agent_collects_and_the_learner_trains(vllm_server, sandbox_image, tmp_path):
     pytest.importorskip("minisweagent")
-    from collector.launch import collect
-    from store import Store
-    from store.claims import load_episodes
-    from store.records import GroupStatus
-    from trainer.checkpoint import load_model
+    from sandpiper.collector.launch import collect
+    from sandpiper.store import Store
+    from sandpiper.store.claims import load_episodes
+    from sandpiper.store.records import GroupStatus
+    from sandpiper.trainer.checkpoint import load_model
 
     tasks = tmp_path / "tasks.jsonl"
     row = {

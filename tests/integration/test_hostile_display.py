@@ -16,7 +16,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from analysis import api
+from sandpiper.analysis import api
 from sandpiper.cli import app
 
 pytestmark = pytest.mark.integration
@@ -45,8 +45,8 @@ def _hostile(episode):
 
 @pytest.fixture(scope="module")
 def hostile_store(tmp_path_factory):
-    from analysis.synthetic import populate, synthetic_run
-    from store import Store
+    from sandpiper.analysis.synthetic import populate, synthetic_run
+    from sandpiper.store import Store
 
     run = synthetic_run(seed=1, num_versions=1, groups_per_version=2, group_size=2)
     for version, groups in run.groups_by_version.items():

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collector.inference.base import Generation, SamplingParams
-from collector.inference.vllm_client import VLLMPolicyClient, versions_from_spans
+from sandpiper.collector.inference.base import Generation, SamplingParams
+from sandpiper.collector.inference.vllm_client import VLLMPolicyClient, versions_from_spans
 from tests.integration.test_vllm_server import reference_logprobs, server_version
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.anyio]

@@ -31,8 +31,8 @@ def test_sft_then_grpo_through_the_cli(tmp_path, learner_tiny_model) -> None:
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from store import Store
-    from trainer.checkpoint import load_model
+    from sandpiper.store import Store
+    from sandpiper.trainer.checkpoint import load_model
 
     cfg = make_config(tmp_path, learner_tiny_model, groups_per_step=2, max_steps=2,
                       max_idle_s=2.0, sft_min_reward=0.5)  # fmt: skip

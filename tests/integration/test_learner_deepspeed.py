@@ -26,7 +26,7 @@ VENV_BIN = Path(sys.executable).parent
 
 @pytest.fixture(scope="module")
 def groups_pkl(tmp_path_factory, learner_tiny_model) -> Path:
-    from trainer.checkpoint import load_model
+    from sandpiper.trainer.checkpoint import load_model
 
     torch.manual_seed(0)
     model = load_model(learner_tiny_model)

@@ -36,7 +36,7 @@ def _port() -> str:
 
 @pytest.fixture(scope="module")
 def groups(learner_tiny_model):
-    from trainer.checkpoint import load_model
+    from sandpiper.trainer.checkpoint import load_model
 
     torch.manual_seed(0)
     model = load_model(learner_tiny_model)
@@ -47,7 +47,7 @@ def groups(learner_tiny_model):
 def _launch(tmp: Path, model: Path, groups: bytes, launcher: str) -> dict:
     from safetensors.torch import load_file
 
-    from store import Store
+    from sandpiper.store import Store
 
     exe = shutil.which(launcher, path=str(VENV_BIN))
     require(f"{launcher} launcher", exe is not None, "not installed in the venv")

@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @pytest.mark.parametrize("kind", ["duckdb", "memory"])
 def test_reward_rises_on_bandit(tmp_path, learner_tiny_model, kind) -> None:
-    from store import Store
-    from trainer.engine import init_distributed
-    from trainer.learner import Learner
+    from sandpiper.store import Store
+    from sandpiper.trainer.engine import init_distributed
+    from sandpiper.trainer.learner import Learner
 
     cfg = make_config(tmp_path, learner_tiny_model, lr=3e-3, groups_per_step=4, max_lag=1)
     if kind == "duckdb":

@@ -57,7 +57,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def groups_pkl(tmp_path_factory, learner_tiny_model) -> Path:
-    from trainer.checkpoint import load_model
+    from sandpiper.trainer.checkpoint import load_model
 
     torch.manual_seed(0)
     model = load_model(learner_tiny_model)
@@ -69,7 +69,7 @@ def groups_pkl(tmp_path_factory, learner_tiny_model) -> Path:
 
 def _setup(tmp: Path, model: Path, groups_pkl: Path, **extra):
     """A run config and a DuckDB store holding the pickled groups (one commit: same order)."""
-    from store import Store
+    from sandpiper.store import Store
 
     cfg = make_config(tmp, model, max_idle_s=3.0, **TRAINING, **extra)
     config = tmp / "run.toml"
@@ -99,7 +99,7 @@ def reference(tmp_path_factory, learner_tiny_model, groups_pkl) -> dict[str, tor
 
 def _assert_history(store, tmp: Path) -> None:
     """Versions 0..STEPS with the right parents, each group consumed once, no stray folder."""
-    from store import schema as T
+    from sandpiper.store import schema as T
 
     with store.connect_readonly() as conn:
         policies = conn.execute(

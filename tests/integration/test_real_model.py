@@ -125,7 +125,7 @@ def _free_port() -> int:
 
 
 def _rows(url: str, sql: str, **params) -> list:
-    from store import Store
+    from sandpiper.store import Store
 
     with Store(url).connect_readonly() as conn:
         return [tuple(r) for r in conn.execute(text(sql), params).all()]
@@ -156,8 +156,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _v1_episodes(url: str) -> list:
     """Valid episodes whose every sampled token came from version 1, as the learner reads them."""
-    from store import Store
-    from store.claims import load_episodes
+    from sandpiper.store import Store
+    from sandpiper.store.claims import load_episodes
 
     store = Store(url)
     with store.connect_readonly() as conn:

@@ -37,10 +37,10 @@ VARIANTS = [
 def _train_two_steps(tmp_path, model_dir):
     import torch
 
-    from store import Store
-    from store.records import RunRecord
-    from trainer.engine import init_distributed
-    from trainer.learner import Learner
+    from sandpiper.store import Store
+    from sandpiper.store.records import RunRecord
+    from sandpiper.trainer.engine import init_distributed
+    from sandpiper.trainer.learner import Learner
 
     cfg = make_config(tmp_path, model_dir, groups_per_step=2, micro_batch_tokens=48, lr=3e-3)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -108,7 +108,7 @@ def test_replay_reconstructs_the_steps_and_compares_variants(tmp_path, learner_t
     runs = client.search_runs([exp.experiment_id], "tags.`sandpiper.kind` = 'replay'")
     assert len(runs) == 1 and "gspo/cos_ref" in runs[0].data.metrics
 
-    from analysis.report import build_report
+    from sandpiper.analysis.report import build_report
 
     report = build_report(store, tmp_path / "report", run_id="lt", replay=folder / "replay.json")
     assert "replay" in report.png_paths

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from collector.agent import EpisodeLimits, default_toolbox_factory, run_episode
-from collector.policy import TokenPolicy
-from collector.render import ChatRenderer
-from collector.tasks import Task, load_task_folder
-from collector.tools import TOOL_SCHEMAS
-from store.records import StopReason
+from sandpiper.collector.agent import EpisodeLimits, default_toolbox_factory, run_episode
+from sandpiper.collector.policy import TokenPolicy
+from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.tasks import Task, load_task_folder
+from sandpiper.collector.tools import TOOL_SCHEMAS
+from sandpiper.store.records import StopReason
 from tests.fixtures.collector import ScriptedPolicy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from collector.sandbox.base import ExecOutcome
-from collector.tools import Toolbox
-from store.records import ToolErrorKind
+from sandpiper.collector.sandbox.base import ExecOutcome
+from sandpiper.collector.tools import Toolbox
+from sandpiper.store.records import ToolErrorKind
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from collector.sandbox.base import ExecOutcome
-from collector.sandbox.janitor import gc, list_containers, remove_containers
-from collector.sandbox.podman import PodmanSandbox, collector_id
+from sandpiper.collector.sandbox.base import ExecOutcome
+from sandpiper.collector.sandbox.janitor import gc, list_containers, remove_containers
+from sandpiper.collector.sandbox.podman import PodmanSandbox, collector_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -89,7 +89,7 @@ def test_files_round_trip_byte_exact(sandbox_pool, tmp_path: Path):
 
 
 def test_watchdog_restarts_a_hung_shell(sandbox_pool, monkeypatch):
-    import collector.sandbox.podman as podman
+    import sandpiper.collector.sandbox.podman as podman
 
     monkeypatch.setattr(podman, "WATCHDOG_GRACE_S", 2.0)
 
@@ -143,7 +143,7 @@ def test_gc_judges_by_store_heartbeats_not_pids(sandbox_config, sandbox_image, t
     """Removed: a registered collector that stopped, and a container of an unknown collector
     older than the grace period even though its "pid" is alive (pid reuse). Kept: a live
     collector's container (whatever PID namespace it runs in) and another store's."""
-    from store import Store
+    from sandpiper.store import Store
 
     store = Store(f"duckdb:///{tmp_path / 'store.duckdb'}")
     store.init()
@@ -203,7 +203,7 @@ def test_check_command_proves_every_limit(sandbox_image, tmp_path):
 
 
 def test_task_image_extends_the_base_and_is_cached(sandbox_config, sandbox_image, tmp_path):
-    from collector.sandbox.image import extend_image, image_recipe_hash
+    from sandpiper.collector.sandbox.image import extend_image, image_recipe_hash
 
     setup = tmp_path / "setup.sh"
     setup.write_text("echo extended > /etc/sandpiper-extended\n")
@@ -241,7 +241,7 @@ def test_cancelled_exec_does_not_desync_the_shell(sandbox_pool):
 
 _NAMESPACED_COLLECTOR = """
 import os, socket, sys, time
-from store import Store
+from sandpiper.store import Store
 store = Store(sys.argv[1])
 cid = store.register_collector(run_id="run")  # host: this namespace's own host name
 print(cid, socket.gethostname(), os.getpid(), flush=True)
@@ -264,7 +264,7 @@ def test_gc_keeps_a_live_collector_in_another_pid_namespace_and_host(
     pid that names no process here) heartbeats into the store: `sandpiper sandbox gc` keeps
     its container. A collector of THIS host whose heartbeat lapsed is removed although the
     pid in its row is alive (this very process). ~10 s."""
-    from store import Store
+    from sandpiper.store import Store
 
     url = f"duckdb:///{tmp_path / 'store.duckdb'}"
     store = Store(url)

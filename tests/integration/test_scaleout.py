@@ -152,7 +152,7 @@ def _latest(store) -> int:
 def test_two_collectors_two_rank_leader_killed_standby_finishes(
     store_url, tiny_model, sandbox_image, tmp_path
 ):
-    from store import Store
+    from sandpiper.store import Store
     from tests.fixtures.vllm import free_port
 
     toml = _toml(tmp_path, store_url, tiny_model)

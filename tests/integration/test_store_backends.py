@@ -10,9 +10,9 @@ import pytest
 import sqlalchemy as sa
 
 from sandpiper.errors import PolicyConflictError, SchemaVersionError, StoreError
-from store import Store, migrations
-from store.records import GroupStatus, PolicyRecord, RunRecord, TaskRecord
-from store.testing import expected_tokens, make_group
+from sandpiper.store import Store, migrations
+from sandpiper.store.records import GroupStatus, PolicyRecord, RunRecord, TaskRecord
+from sandpiper.store.testing import expected_tokens, make_group
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ import sys
 import pyarrow.dataset as ds
 import pytest
 
-from store import Store
-from store.testing import make_group
+from sandpiper.store import Store
+from sandpiper.store.testing import make_group
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration

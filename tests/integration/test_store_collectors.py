@@ -13,10 +13,10 @@ import pytest
 import sqlalchemy as sa
 
 from sandpiper.errors import DuplicateGroupError
-from store import Store, migrations
-from store.collectors import task_rank
-from store.records import RunRecord, SlotLease, WriteOutcome
-from store.testing import make_group
+from sandpiper.store import Store, migrations
+from sandpiper.store.collectors import task_rank
+from sandpiper.store.records import RunRecord, SlotLease, WriteOutcome
+from sandpiper.store.testing import make_group
 from tests.integration.test_store_backends import store_url  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.integration
@@ -141,7 +141,7 @@ def test_collectors_starting_at_once_register_the_run_and_tasks_without_a_confli
     registers the run and upserts the tasks. Two starting at the same moment on PostgreSQL
     once raced a check-then-insert and a delete-then-insert: one died with UniqueViolation
     on ``runs_pkey`` (seen in CI); on a fresh database both ran the CREATE TABLEs."""
-    from store.records import Split, TaskRecord
+    from sandpiper.store.records import Split, TaskRecord
 
     tasks = [TaskRecord(f"t{i}", "src", "jsonl_math", f"q{i}", {"answer": str(i)}, None,
                         Split.TRAIN) for i in range(50)]  # fmt: skip

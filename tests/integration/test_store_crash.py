@@ -11,15 +11,15 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from store import Store
+from sandpiper.store import Store
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WRITER = """
 import sys
-from store import Store
-from store.testing import make_group
+from sandpiper.store import Store
+from sandpiper.store.testing import make_group
 url, spool, prefix = sys.argv[1:4]
 store = Store(url, lock_timeout_s=30)
 with store.writer(spool_dir=spool, flush_interval_s=0.05, flush_max_episodes=40) as w:
@@ -32,7 +32,7 @@ with store.writer(spool_dir=spool, flush_interval_s=0.05, flush_max_episodes=40)
 
 RECOVER = """
 import sys
-from store import Store
+from sandpiper.store import Store
 store = Store(sys.argv[1], lock_timeout_s=30)
 with store.writer(spool_dir=sys.argv[2]) as w:
     print("pending", w.pending(), flush=True)
@@ -111,7 +111,7 @@ def test_kill_9_writer_loses_nothing_acknowledged(tmp_path):
 
 HOLD_LOCK = """
 import sys, time
-from store.locking import DuckDBFileLock
+from sandpiper.store.locking import DuckDBFileLock
 with DuckDBFileLock(sys.argv[1], timeout_s=30).hold(write=True):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))
@@ -119,7 +119,7 @@ with DuckDBFileLock(sys.argv[1], timeout_s=30).hold(write=True):
 
 
 def test_put_is_acknowledged_while_another_process_holds_the_lock(tmp_path):
-    from store.testing import make_group
+    from sandpiper.store.testing import make_group
 
     db = tmp_path / "s.duckdb"
     store = Store(f"duckdb:///{db}", lock_timeout_s=30)

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from sandpiper.errors import NotLeaderError, PolicyConflictError
-from store import Store
-from store.records import Fence, GroupStatus, PolicyRecord, RunRecord
-from store.testing import make_group
+from sandpiper.store import Store
+from sandpiper.store.records import Fence, GroupStatus, PolicyRecord, RunRecord
+from sandpiper.store.testing import make_group
 from tests.integration.test_store_backends import _fresh_pg_db, _write
 
 pytestmark = pytest.mark.integration
@@ -107,7 +107,7 @@ def test_concurrent_first_learners_get_exactly_one_leader(store):
 def test_migration_3_upgrades_a_store_written_before_leases(store):
     import sqlalchemy as sa
 
-    from store import migrations
+    from sandpiper.store import migrations
 
     with store.backend.write() as conn:  # what a store of schema version 1 looks like
         conn.execute(sa.text("DROP TABLE learner_leases"))

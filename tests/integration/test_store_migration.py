@@ -17,9 +17,9 @@ import pytest
 import sqlalchemy as sa
 
 from sandpiper.errors import SchemaVersionError
-from store import Store, arrow_io, migrations, schema
-from store.backends import fetch_arrow, insert_arrow
-from store.testing import make_group
+from sandpiper.store import Store, arrow_io, migrations, schema
+from sandpiper.store.backends import fetch_arrow, insert_arrow
+from sandpiper.store.testing import make_group
 from tests.integration.test_store_backends import _fresh_pg_db
 
 pytestmark = pytest.mark.integration

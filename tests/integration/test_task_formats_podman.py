@@ -13,13 +13,13 @@ import json
 
 import pytest
 
-from collector.agent import EpisodeLimits, default_toolbox_factory, run_episode
-from collector.policy import TokenPolicy
-from collector.render import ChatRenderer
-from collector.sandbox.images import podman_image_exists
-from collector.tasks import import_tasks, load_task_folder
-from collector.tools import TOOL_SCHEMAS
-from store.records import StopReason
+from sandpiper.collector.agent import EpisodeLimits, default_toolbox_factory, run_episode
+from sandpiper.collector.policy import TokenPolicy
+from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.sandbox.images import podman_image_exists
+from sandpiper.collector.tasks import import_tasks, load_task_folder
+from sandpiper.collector.tools import TOOL_SCHEMAS
+from sandpiper.store.records import StopReason
 from tests.fixtures.collector import ScriptedPolicy
 from tests.unit.test_task_formats import open_instruct_task
 

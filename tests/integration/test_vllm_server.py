@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
-from collector.inference.base import SamplingParams
-from collector.inference.vllm_client import VLLMPolicyClient
+from sandpiper.collector.inference.base import SamplingParams
+from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.anyio]
 

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from collector.inference.base import SamplingParams
-from collector.inference.vllm_client import VLLMPolicyClient
+from sandpiper.collector.inference.base import SamplingParams
+from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
 from tests.integration.test_hot_reload import perturbed_checkpoint
 from tests.integration.test_vllm_server import reference_logprobs, server_version
 

@@ -10,11 +10,11 @@ import polars as pl
 import pytest
 from rich.console import Console
 
-from analysis import plots
-from analysis.api import EpisodeDetail
-from analysis.formats import MAX_TABLE_ROWS, OutputFormat, write_frame
-from analysis.query import QueryError
-from analysis.transcript import format_spans, render, version_spans
+from sandpiper.analysis import plots
+from sandpiper.analysis.api import EpisodeDetail
+from sandpiper.analysis.formats import MAX_TABLE_ROWS, OutputFormat, write_frame
+from sandpiper.analysis.query import QueryError
+from sandpiper.analysis.transcript import format_spans, render, version_spans
 
 FRAME = pl.DataFrame({"name": ["a", "b"], "reward": [0.5, None], "ids": [[1, 2], [3]]})
 
@@ -126,7 +126,7 @@ def test_plots_of_an_empty_run_say_no_data(name: str) -> None:
 
 
 def test_report_never_shows_the_store_password() -> None:
-    from analysis.report import _safe_url
+    from sandpiper.analysis.report import _safe_url
 
     shown = _safe_url("postgresql+psycopg://alice:s3cret@db.example/sandpiper")
     assert "s3cret" not in shown and "alice@" not in shown.replace("alice:***@", "")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from analysis.query import QueryError, check_read_only, db_error_line
-from analysis.views import MARKER_VIEW, VIEW_DOCS, VIEW_NAMES, view_statements
+from sandpiper.analysis.query import QueryError, check_read_only, db_error_line
+from sandpiper.analysis.views import MARKER_VIEW, VIEW_DOCS, VIEW_NAMES, view_statements
 
 
 @pytest.mark.parametrize(

@@ -7,19 +7,19 @@ import asyncio
 
 import pytest
 
-from collector.agent import EpisodeLimits, run_episode
-from collector.parsers import (
+from sandpiper.collector.agent import EpisodeLimits, run_episode
+from sandpiper.collector.parsers import (
     SUBMIT_SENTINEL,
     parse_tool_calls,
     submission_answer,
     system_prompt_for,
 )
-from collector.policy import TokenPolicy
-from collector.render import ChatRenderer
-from collector.sandbox.base import ExecOutcome, ExecResult
-from collector.sandbox.fake import FakeSandbox
-from collector.tasks import Task
-from store.records import Role, StopReason, ToolErrorKind
+from sandpiper.collector.policy import TokenPolicy
+from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
+from sandpiper.collector.sandbox.fake import FakeSandbox
+from sandpiper.collector.tasks import Task
+from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from tests.fixtures.collector import (
     FAKE_TOOL_SCHEMAS,
     FakeToolbox,

@@ -8,13 +8,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from collector.agent import EpisodeLimits, run_episode
-from collector.policy import TokenPolicy
-from collector.render import ChatRenderer
-from collector.sandbox.fake import FakeSandbox
-from collector.tasks import Task
+from sandpiper.collector.agent import EpisodeLimits, run_episode
+from sandpiper.collector.policy import TokenPolicy
+from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.sandbox.fake import FakeSandbox
+from sandpiper.collector.tasks import Task
 from sandpiper.errors import InferenceError, SandboxError, SandboxLostError
-from store.records import Role, StopReason, ToolErrorKind
+from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from tests.fixtures.collector import (
     FAKE_TOOL_SCHEMAS,
     FakeToolbox,
@@ -233,7 +233,7 @@ def test_xml_tool_format(tiny_tokenizer, fmt):
 def test_seed_files_and_setup_script_run_first_and_a_broken_setup_is_a_task_error(
     tiny_tokenizer, tmp_path
 ):
-    from collector.sandbox.base import ExecOutcome, ExecResult
+    from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
 
     (tmp_path / "files").mkdir()
     (tmp_path / "setup.sh").write_text("exit 3\n")
@@ -259,7 +259,7 @@ def test_seed_files_and_setup_script_run_first_and_a_broken_setup_is_a_task_erro
 
 def test_real_toolbox_turns_bad_calls_into_observations(tiny_tokenizer):
     """Unknown tools, wrong argument types and huge arguments through the real Toolbox."""
-    from collector.tools import TOOL_SCHEMAS, Toolbox
+    from sandpiper.collector.tools import TOOL_SCHEMAS, Toolbox
 
     replies = [
         '<tool_call>\n{"name": "execute_bash", "arguments": {"command": 42}}\n</tool_call>',
@@ -305,7 +305,7 @@ def test_a_collector_bug_in_one_episode_is_its_recorded_error_with_a_traceback(
             return {}["no such key"]
 
     policy = ScriptedPolicy(tiny_tokenizer, [BASH_LS, SUBMIT_42])
-    with caplog.at_level("ERROR", logger="collector.agent"):
+    with caplog.at_level("ERROR", logger="sandpiper.collector.agent"):
         episode = asyncio.run(
             run_episode(
                 episode_id="e",
@@ -326,7 +326,7 @@ def test_a_collector_bug_in_one_episode_is_its_recorded_error_with_a_traceback(
 def test_run_pooled_episode_contains_an_exception_of_the_episode_and_replaces_its_sandbox(
     tiny_tokenizer,
 ):
-    from collector.agent import run_pooled_episode
+    from sandpiper.collector.agent import run_pooled_episode
 
     released = []
 
@@ -363,7 +363,7 @@ def test_run_pooled_episode_contains_an_exception_of_the_episode_and_replaces_it
 def test_a_failing_reset_replaces_the_sandbox_instead_of_losing_a_pool_slot(error):
     """Whatever an episode left that makes the reset fail, the container is replaced: an
     escaped exception used to kill the recycling task and shrink the pool for good."""
-    from collector.sandbox.pool import SandboxPool
+    from sandpiper.collector.sandbox.pool import SandboxPool
     from sandpiper.config import SandboxConfig
 
     class Box:

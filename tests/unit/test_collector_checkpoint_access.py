@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from collector.launch import check_checkpoints_readable
+from sandpiper.collector.launch import check_checkpoints_readable
 from sandpiper.errors import ConfigError
-from store.records import PolicyRecord
+from sandpiper.store.records import PolicyRecord
 
 
 class _Store:

@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 
-from collector.daemon import Collector
-from collector.render import ChatRenderer
-from collector.tasks import Task
+from sandpiper.collector.daemon import Collector
+from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.tasks import Task
 from sandpiper.config import RunConfig
-from store.collectors import task_rank
-from store.records import GroupStatus, PolicyRecord, Split, WriteOutcome
+from sandpiper.store.collectors import task_rank
+from sandpiper.store.records import GroupStatus, PolicyRecord, Split, WriteOutcome
 from tests.fixtures.collector import (
     FAKE_TOOL_SCHEMAS,
     FakePool,

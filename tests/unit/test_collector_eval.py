@@ -8,11 +8,11 @@ import json
 
 import httpx
 
-from collector.agent import EpisodeLimits, run_episode, run_pooled_episode
-from collector.chat_policy import ChatEndpoint, ChatPolicy
-from collector.tasks import Task
+from sandpiper.collector.agent import EpisodeLimits, run_episode, run_pooled_episode
+from sandpiper.collector.chat_policy import ChatEndpoint, ChatPolicy
+from sandpiper.collector.tasks import Task
 from sandpiper.errors import TaskError
-from store.records import Role, StopReason, ToolErrorKind
+from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, FakeToolbox, scripted_sandbox
 
 TASK = Task("t", "6*7?", {"reward": "math", "answer": "42"}, "unit", "jsonl_math")

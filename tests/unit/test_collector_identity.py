@@ -10,12 +10,12 @@ import pickle
 
 import pytest
 
-from collector.launch import adopt_orphan_spools
-from collector.sandbox.janitor import ContainerInfo, Verdict, judge
-from store import Store
-from store.collectors import new_collector_id, task_rank
-from store.records import RunRecord, Split
-from store.testing import make_group
+from sandpiper.collector.launch import adopt_orphan_spools
+from sandpiper.collector.sandbox.janitor import ContainerInfo, Verdict, judge
+from sandpiper.store import Store
+from sandpiper.store.collectors import new_collector_id, task_rank
+from sandpiper.store.records import RunRecord, Split
+from sandpiper.store.testing import make_group
 
 
 def _ids(n: int) -> list[str]:

@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 
-from collector.journal import SeqJournal
-from collector.status import CollectorMetrics, StatusReporter, status_line
-from store.records import (
+from sandpiper.collector.journal import SeqJournal
+from sandpiper.collector.status import CollectorMetrics, StatusReporter, status_line
+from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,
     GroupSampling,

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from collector.rewards import compute_reward
-from collector.tasks import load_tasks
+from sandpiper.collector.rewards import compute_reward
+from sandpiper.collector.tasks import load_tasks
 from sandpiper.demo.tasks import (
     COMPUTE_COMMAND,
     INSTRUCTION,

@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from collector.agent import tool_record
-from collector.parsers import parse_tool_calls
-from collector.sandbox.base import ExecOutcome, ExecResult
-from collector.sandbox.fake import FakeSandbox
-from collector.tools import Toolbox
-from store.records import ToolErrorKind
+from sandpiper.collector.agent import tool_record
+from sandpiper.collector.parsers import parse_tool_calls
+from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
+from sandpiper.collector.sandbox.fake import FakeSandbox
+from sandpiper.collector.tools import Toolbox
+from sandpiper.store.records import ToolErrorKind
 from tests.fixtures.fuzz import HostileTurns
 
 N_TURNS = 10_000

@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 
-from collector.gateway.assembly import assemble
-from collector.gateway.server import Gateway, GatewaySettings
-from collector.render import ChatRenderer
-from store.records import Role
+from sandpiper.collector.gateway.assembly import assemble
+from sandpiper.collector.gateway.server import Gateway, GatewaySettings
+from sandpiper.collector.render import ChatRenderer
+from sandpiper.store.records import Role
 from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, ScriptedPolicy
 
 BASH_LS = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "ls"}}\n</tool_call>'

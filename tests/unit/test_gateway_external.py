@@ -11,13 +11,13 @@ import textwrap
 import numpy as np
 import pytest
 
-from collector.agent import EpisodeLimits
-from collector.gateway.external import run_external_episode
-from collector.gateway.server import Gateway, GatewaySettings
-from collector.render import ChatRenderer
-from collector.tasks import Task
-from collector.tools.base import ToolResult
-from store.records import Role, StopReason, ToolErrorKind
+from sandpiper.collector.agent import EpisodeLimits
+from sandpiper.collector.gateway.external import run_external_episode
+from sandpiper.collector.gateway.server import Gateway, GatewaySettings
+from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.tasks import Task
+from sandpiper.collector.tools.base import ToolResult
+from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from tests.fixtures.collector import (
     FAKE_TOOL_SCHEMAS,
     FakeToolbox,
@@ -31,7 +31,7 @@ AGENT = textwrap.dedent(
     """
     import json, os, sys
     import openai
-    from collector.gateway.exec_client import run
+    from sandpiper.collector.gateway.exec_client import run
     client = openai.OpenAI()  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
     model = os.environ["SANDPIPER_MODEL"]
     tools = json.loads(sys.argv[1])

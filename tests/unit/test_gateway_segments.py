@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from store import arrow_io
-from store.records import Role
-from store.testing import make_group
+from sandpiper.store import arrow_io
+from sandpiper.store.records import Role
+from sandpiper.store.testing import make_group
 
 
 def _as_segments(group):
@@ -63,7 +63,7 @@ def test_segments_belong_to_their_own_episode():
 
 
 def test_parse_body_replaces_only_lone_surrogates():
-    from collector.gateway.openai_api import parse_body
+    from sandpiper.collector.gateway.openai_api import parse_body
 
     assert parse_body(b'{"a": "\\ud800x", "b": "\\uDFFF"}') == {"a": "\ufffdx", "b": "\ufffd"}
     assert parse_body(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}  # a pair is a character
@@ -76,7 +76,7 @@ def test_parse_body_accepts_what_the_json_module_accepts():
 
     import pytest
 
-    from collector.gateway.openai_api import APIError, parse_body
+    from sandpiper.collector.gateway.openai_api import APIError, parse_body
 
     assert math.isnan(parse_body(b'{"t": NaN}')["t"])
     assert parse_body(b'{"n": 123456789012345678901234567890}') == {
@@ -93,7 +93,7 @@ def test_parse_body_accepts_what_the_json_module_accepts():
 def test_response_bytes_are_starlettes():
     from starlette.responses import JSONResponse
 
-    from collector.gateway.openai_api import encode_json
+    from sandpiper.collector.gateway.openai_api import encode_json
 
     payload = {"content": 'é 😀 "q" \\ \n\u2028', "n": [1, None, True], "o": {"k": ""}}
     assert encode_json(payload) == JSONResponse(payload).body

@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 import pytest
 
-from collector.inference.base import SamplingParams
-from collector.inference.vllm_client import (
+from sandpiper.collector.inference.base import SamplingParams
+from sandpiper.collector.inference.vllm_client import (
     ContextLengthExceeded,
     VLLMPolicyClient,
     versions_from_spans,

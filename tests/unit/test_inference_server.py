@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.inference.server import VLLMServer
+from sandpiper.collector.inference.server import VLLMServer
 from sandpiper.config import InferenceConfig
 from sandpiper.errors import InferenceError
 from tests.fixtures.vllm import free_port
@@ -173,7 +173,7 @@ def test_start_servers_starts_all_or_none(tmp_path: Path, monkeypatch) -> None:
     import asyncio
     import contextlib
 
-    from collector.inference.server import start_servers
+    from sandpiper.collector.inference.server import start_servers
 
     def fake_command(self: VLLMServer) -> list[str]:
         workdir = tmp_path / str(self.port)
@@ -212,7 +212,7 @@ def test_start_servers_prefers_the_configured_log_dir(tmp_path: Path, monkeypatc
     import asyncio
     import contextlib
 
-    from collector.inference.server import start_servers
+    from sandpiper.collector.inference.server import start_servers
 
     async def idle(self: VLLMServer) -> None:
         return None

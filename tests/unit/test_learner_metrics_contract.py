@@ -3,8 +3,8 @@ only in the store, so only a test can hold them together)."""
 
 from __future__ import annotations
 
-from analysis.views import IMPORTANCE_METRICS
-from trainer.loss import LossStats
+from sandpiper.analysis.views import IMPORTANCE_METRICS
+from sandpiper.trainer.loss import LossStats
 
 
 def test_importance_weight_view_reads_keys_the_learner_writes() -> None:

@@ -36,7 +36,7 @@ LOG_SOME = """
     setup_logging(verbose="-v" in sys.argv)
     logging.getLogger("httpx").info("HTTP Request: POST /generate 200")
     logging.getLogger("mlflow.tracking").info("mlflow chatter")
-    logging.getLogger("collector.daemon").info("collected 8 groups")
+    logging.getLogger("sandpiper.collector.daemon").info("collected 8 groups")
     logging.getLogger("httpx").warning("connection refused")
 """
 
@@ -104,7 +104,7 @@ def test_a_learner_line_is_printed_once_with_its_rank_when_there_are_several():
     code = """
         import logging
         from sandpiper.logs import setup_logging
-        from trainer.main import _log_to_stderr
+        from sandpiper.trainer.main import _log_to_stderr
         setup_logging()
         _log_to_stderr()
         logging.getLogger("sandpiper.learner").info("in charge of run x")

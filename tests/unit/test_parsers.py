@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from collector.parsers import parse_tool_calls
-from store.records import ToolErrorKind
+from sandpiper.collector.parsers import parse_tool_calls
+from sandpiper.store.records import ToolErrorKind
 from tests.fixtures.collector import FAKE_TOOL_SCHEMAS
 
 

@@ -14,9 +14,9 @@ import random
 
 import pytest
 
-from collector import render
-from collector.render import ChatRenderer, _PieceEncoder
-from collector.tools import offered_schemas
+from sandpiper.collector import render
+from sandpiper.collector.render import ChatRenderer, _PieceEncoder
+from sandpiper.collector.tools import offered_schemas
 from tests.unit.test_render_prefix import smollm2_tokenizer  # noqa: F401  (a fixture)
 
 TOOLS = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")

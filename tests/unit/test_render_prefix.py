@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from collector.render import ChatRenderer, _as_user_turn
-from collector.tools import offered_schemas
+from sandpiper.collector.render import ChatRenderer, _as_user_turn
+from sandpiper.collector.tools import offered_schemas
 from tests.conftest import REPO, require
 
 TOOLS = offered_schemas(["execute_bash", "submit"], "brief")
@@ -129,7 +129,7 @@ def test_bash_block_renders_no_tool_schemas_and_observations_as_user_turns(tiny_
 
 
 def test_a_chat_template_file_overrides_the_tokenizers(tiny_tokenizer, tmp_path):
-    from collector.render import read_chat_template
+    from sandpiper.collector.render import read_chat_template
     from sandpiper.config import load_config
     from sandpiper.errors import ConfigError
 

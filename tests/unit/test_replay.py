@@ -12,10 +12,10 @@ import torch
 
 from sandpiper.config import LearnerConfig
 from sandpiper.errors import ConfigError
-from store.records import TrainEpisode, TrainGroup
-from trainer import replay as rp
-from trainer.loss import LossConfig, grpo_loss
-from trainer.packing import pack, packed_logprobs, token_scales
+from sandpiper.store.records import TrainEpisode, TrainGroup
+from sandpiper.trainer import replay as rp
+from sandpiper.trainer.loss import LossConfig, grpo_loss
+from sandpiper.trainer.packing import pack, packed_logprobs, token_scales
 
 
 def test_default_variants_parse_and_the_reference_is_untruncated() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collector.rewards import compute_reward, exact_match, math_equal, rouge
+from sandpiper.collector.rewards import compute_reward, exact_match, math_equal, rouge
 from sandpiper.errors import TaskError
 
 

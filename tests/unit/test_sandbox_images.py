@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from collector.sandbox.images import ImagePools
+from sandpiper.collector.sandbox.images import ImagePools
 from sandpiper.config import SandboxConfig
 from tests.fixtures.collector import FakePool
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from collector.sandbox.base import ExecOutcome, Sandbox
-from collector.sandbox.fake import FakeSandbox
-from collector.sandbox.image import ImageRecipe
-from collector.sandbox.podman import PodmanSandbox, container_argv, join_capped
-from collector.sandbox.uids import UidSlots, register_subid_range
+from sandpiper.collector.sandbox.base import ExecOutcome, Sandbox
+from sandpiper.collector.sandbox.fake import FakeSandbox
+from sandpiper.collector.sandbox.image import ImageRecipe
+from sandpiper.collector.sandbox.podman import PodmanSandbox, container_argv, join_capped
+from sandpiper.collector.sandbox.uids import UidSlots, register_subid_range
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError
 

@@ -14,8 +14,8 @@ import tarfile
 
 import pytest
 
-from collector.sandbox.base import ExecOutcome
-from collector.sandbox.podman import SUPERVISOR_HOST_PATH, _exec_result
+from sandpiper.collector.sandbox.base import ExecOutcome
+from sandpiper.collector.sandbox.podman import SUPERVISOR_HOST_PATH, _exec_result
 
 
 class Shell:
@@ -120,7 +120,7 @@ def test_line_range_reads_scan_a_bounded_amount(tmp_path, monkeypatch):
     """A sparse file of any size costs no space: a line-range read stops scanning it."""
     import errno
 
-    from collector.sandbox import _supervisor
+    from sandpiper.collector.sandbox import _supervisor
 
     monkeypatch.setattr(_supervisor, "MAX_SCAN_BYTES", 1 << 20)
     sparse = tmp_path / "sparse"

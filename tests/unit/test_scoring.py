@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from collector import scoring
+from sandpiper.collector import scoring
 from sandpiper.errors import TaskError
 
 TOWER = "$9^{9^{9^{9}}}$"  # holds math-verify's parse for ~6 s (its own deadlines are 5 s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from store.backends import _bytea_hex, _copy_text
+from sandpiper.store.backends import _bytea_hex, _copy_text
 
 
 def _reference_line(row: dict) -> str:

@@ -11,8 +11,8 @@ import duckdb
 import pytest
 import sqlalchemy as sa
 
-from store import Store
-from store.records import RunRecord
+from sandpiper.store import Store
+from sandpiper.store.records import RunRecord
 
 OPEN_ELSEWHERE = """
 import sys, duckdb

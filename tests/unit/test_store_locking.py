@@ -10,11 +10,11 @@ import time
 import pytest
 
 from sandpiper.errors import StoreLockTimeout
-from store.locking import DuckDBFileLock
+from sandpiper.store.locking import DuckDBFileLock
 
 HOLD = """
 import sys, time
-from store.locking import DuckDBFileLock
+from sandpiper.store.locking import DuckDBFileLock
 lock = DuckDBFileLock(sys.argv[1], timeout_s=5)
 with lock.hold(write=True):
     print("held", flush=True)

@@ -10,9 +10,9 @@ import pytest
 import sqlalchemy as sa
 
 from sandpiper.errors import SchemaVersionError, StoreError
-from store import arrow_io, migrations, schema
-from store.records import GroupStatus
-from store.testing import expected_tokens, make_group
+from sandpiper.store import arrow_io, migrations, schema
+from sandpiper.store.records import GroupStatus
+from sandpiper.store.testing import expected_tokens, make_group
 
 ARROW_TO_DUCKDB = {
     pa.string(): "VARCHAR",

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from sandpiper.errors import LearnerError
-from store import Store
-from store.records import INFRA_STOPS, GroupStatus, StopReason
-from store.testing import make_group
-from store.validation import check_episode, check_group
-from trainer.packing import TrainSequence, pack
+from sandpiper.store import Store
+from sandpiper.store.records import INFRA_STOPS, GroupStatus, StopReason
+from sandpiper.store.testing import make_group
+from sandpiper.store.validation import check_episode, check_group
+from sandpiper.trainer.packing import TrainSequence, pack
 
 
 def _spoil(group, episode: int, turn: int, **arrays):
@@ -122,7 +122,7 @@ def test_the_conversion_flags_what_validation_must_look_at(arrays, sound) -> Non
     flags goes through ``check_group``. A flagged batch still converts (NaN versions too)."""
     from datetime import UTC, datetime
 
-    from store import arrow_io
+    from sandpiper.store import arrow_io
 
     group = _spoil(make_group("g", n_episodes=2, tokens_per_turn=8), 1, 1, **arrays)
     tables, ok = arrow_io.convert_groups([make_group("h", tokens_per_turn=8), group],
@@ -159,8 +159,8 @@ def test_packing_refuses_a_non_finite_logprob_on_a_loss_token() -> None:
 def test_the_report_counts_bad_sampler_output_episodes() -> None:
     import polars as pl
 
-    from analysis.report import _cards
-    from analysis.views import BAD_SAMPLER_OUTPUT
+    from sandpiper.analysis.report import _cards
+    from sandpiper.analysis.views import BAD_SAMPLER_OUTPUT
 
     assert StopReason.BAD_SAMPLER_OUTPUT.value == BAD_SAMPLER_OUTPUT
     eps = pl.DataFrame(
@@ -181,7 +181,7 @@ def test_the_report_counts_bad_sampler_output_episodes() -> None:
 
 
 def test_sampling_params_have_one_shape_and_earlier_shapes_read_back():
-    from store.records import GroupSampling
+    from sandpiper.store.records import GroupSampling
 
     sampling = GroupSampling(temperature=0.7, max_tokens_per_turn=64, tool_format="hermes")
     assert sampling.to_json() == {

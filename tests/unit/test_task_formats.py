@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from collector.agent import EpisodeLimits, run_episode
-from collector.policy import TokenPolicy
-from collector.render import ChatRenderer
-from collector.tasks import import_tasks, load_task_folder, load_tasks
+from sandpiper.collector.agent import EpisodeLimits, run_episode
+from sandpiper.collector.policy import TokenPolicy
+from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.tasks import import_tasks, load_task_folder, load_tasks
 from sandpiper.errors import TaskError
-from store.records import StopReason
+from sandpiper.store.records import StopReason
 from tests.fixtures.collector import (
     FAKE_TOOL_SCHEMAS,
     FakeToolbox,
@@ -346,7 +346,7 @@ def test_open_instruct_row_errors_are_clear_and_leave_nothing(tmp_path):
 )
 def test_reward_txt_is_read_as_open_instruct_reads_it(text, reward):
     """``float(stdout.strip())`` clamped to [0, 1]; anything that is not one number → 0."""
-    from collector.tools.reward import reward_from_result
+    from sandpiper.collector.tools.reward import reward_from_result
 
     got, _ = reward_from_result("reward_file", result_text=text, stdout="", exit_code=0, secret="s")
     assert got == reward

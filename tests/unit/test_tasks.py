@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.tasks import (
+from sandpiper.collector.tasks import (
     convert_llm_in_sandbox,
     import_tasks,
     load_task_folder,
@@ -15,7 +15,7 @@ from collector.tasks import (
     split_of,
 )
 from sandpiper.errors import TaskError
-from store.records import Split
+from sandpiper.store.records import Split
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from analysis.terminal import json_safe, neutralize
+from sandpiper.analysis.terminal import json_safe, neutralize
 
 ATTACKS = {
     "window title (OSC 0)": "\x1b]0;owned\x07",

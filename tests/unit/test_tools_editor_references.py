@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from collector.sandbox import _supervisor
-from collector.sandbox.base import ExecOutcome, ExecResult
-from collector.tools.editor import (
+from sandpiper.collector.sandbox import _supervisor
+from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
+from sandpiper.collector.tools.editor import (
     MAX_EDIT_BYTES,
     TRUNCATED_MESSAGE,
     VIEW_READ_BYTES,
@@ -190,8 +190,8 @@ def test_supervisor_listing_is_bounded_in_bytes(tmp_path):
 
 
 def test_a_lone_surrogate_through_the_toolbox_is_an_answer(fake_sandbox):
-    from collector.tools import Toolbox
-    from store.records import ToolErrorKind
+    from sandpiper.collector.tools import Toolbox
+    from sandpiper.store.records import ToolErrorKind
 
     toolbox = Toolbox(
         fake_sandbox, tests_dir=None, test_command=None, test_timeout_s=5, exec_timeout_s=5

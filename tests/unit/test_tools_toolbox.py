@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from collector.tools import TOOL_SCHEMAS, Toolbox, offered_schemas
-from store.records import ToolErrorKind
+from sandpiper.collector.tools import TOOL_SCHEMAS, Toolbox, offered_schemas
+from sandpiper.store.records import ToolErrorKind
 
 TESTS_DIR = "/grade/tests"
 
@@ -143,10 +143,10 @@ def test_submit_exit_status_reward_only_when_declared(fake_sandbox):
 def test_argument_checks_and_byte_limit_come_from_one_source():
     """The schemas the model is shown declare every argument the toolbox accepts, and which
     are required; the byte limit is the config's default everywhere."""
-    from collector.gateway.server import GatewaySettings
-    from collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES
-    from collector.policy import PolicyLimits
-    from collector.tools.toolbox import _ARGUMENTS
+    from sandpiper.collector.gateway.server import GatewaySettings
+    from sandpiper.collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES
+    from sandpiper.collector.policy import PolicyLimits
+    from sandpiper.collector.tools.toolbox import _ARGUMENTS
     from sandpiper.config import CollectorConfig
 
     for schema in TOOL_SCHEMAS:

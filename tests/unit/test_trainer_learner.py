@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # DeepSpeed engines in-process (~10 s each on 2 c
 
 @pytest.fixture(scope="module")
 def world():
-    from trainer.engine import init_distributed
+    from sandpiper.trainer.engine import init_distributed
 
     return init_distributed()
 
@@ -26,7 +26,7 @@ def _groups(model, n: int, version: int = 0, start: int = 0):
 
 
 def test_step_registers_next_version_with_its_groups(tmp_path, learner_tiny_model, world):
-    from trainer.learner import Learner
+    from sandpiper.trainer.learner import Learner
 
     cfg = make_config(tmp_path, learner_tiny_model, minibatches=2, epochs=2, lr=1e-3)
     store = MemoryStore()
@@ -56,7 +56,7 @@ def test_step_registers_next_version_with_its_groups(tmp_path, learner_tiny_mode
 def test_zero_variance_groups_are_counted_and_still_consumed(tmp_path, learner_tiny_model, world):
     from dataclasses import replace
 
-    from trainer.learner import Learner
+    from sandpiper.trainer.learner import Learner
 
     cfg = make_config(tmp_path, learner_tiny_model)
     store = MemoryStore()
@@ -76,7 +76,7 @@ def test_zero_variance_groups_are_counted_and_still_consumed(tmp_path, learner_t
 
 
 def test_stale_samples_get_importance_weights(tmp_path, learner_tiny_model, world):
-    from trainer.learner import Learner
+    from sandpiper.trainer.learner import Learner
 
     cfg = make_config(tmp_path, learner_tiny_model, lr=5e-3, groups_per_step=2)
     store = MemoryStore()
@@ -92,8 +92,8 @@ def test_stale_samples_get_importance_weights(tmp_path, learner_tiny_model, worl
 
 
 def test_sft_registers_a_version_that_lowers_the_nll(tmp_path, learner_tiny_model, world):
-    from trainer.learner import Learner
-    from trainer.sft import run_sft
+    from sandpiper.trainer.learner import Learner
+    from sandpiper.trainer.sft import run_sft
 
     cfg = make_config(tmp_path, learner_tiny_model, algo="sft", epochs=4, lr=1e-2,
                       sft_min_reward=0.5)  # fmt: skip

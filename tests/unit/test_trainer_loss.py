@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.advantages import batch_advantages, group_advantages
-from trainer.loss import LossConfig, grpo_loss
+from sandpiper.trainer.advantages import batch_advantages, group_advantages
+from sandpiper.trainer.loss import LossConfig, grpo_loss
 
 
 def _token_loss(logp, prox, behav, adv, cfg, seq_index=None, num_seqs=None, ref=None):
@@ -139,7 +139,7 @@ def test_group_advantages_exclude_invalid_and_skip_zero_variance() -> None:
 
 
 def test_batch_advantages_counts_what_it_skipped() -> None:
-    from store.records import TrainEpisode, TrainGroup
+    from sandpiper.store.records import TrainEpisode, TrainGroup
 
     def ep(r, ok=True):
         e = np.zeros(2, np.int32)

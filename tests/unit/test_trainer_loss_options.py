@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.advantages import batch_advantages
-from trainer.corrections import m2po_keep, rejection_keep
-from trainer.loss import LossConfig, grpo_loss
+from sandpiper.trainer.advantages import batch_advantages
+from sandpiper.trainer.corrections import m2po_keep, rejection_keep
+from sandpiper.trainer.loss import LossConfig, grpo_loss
 
 S, L = 6, 7
 """Sequences and loss tokens per sequence of the synthetic micro-batch."""
@@ -281,14 +281,14 @@ def test_kl_correction_makes_the_gradient_that_of_the_true_kl() -> None:
 
 
 def _episode(reward, valid=True):
-    from store.records import TrainEpisode
+    from sandpiper.store.records import TrainEpisode
 
     e = np.zeros(2, np.int32)
     return TrainEpisode("e", reward, valid, e, e.astype(bool), e.astype(np.float32), e)
 
 
 def test_batch_std_divides_group_centred_rewards_by_the_batch_std() -> None:
-    from store.records import TrainGroup
+    from sandpiper.store.records import TrainGroup
 
     rewards = [[1.0, 0.0, 0.5, None], [1.0, 1.0, 1.0], [0.0, 0.2, 0.9]]
     groups = [
@@ -313,7 +313,7 @@ def test_batch_std_divides_group_centred_rewards_by_the_batch_std() -> None:
 
 
 def test_batch_std_of_one_group_is_group_std() -> None:
-    from store.records import TrainGroup
+    from sandpiper.store.records import TrainGroup
 
     group = TrainGroup("g", "t", 0, tuple(_episode(r) for r in (0.0, 1.0, 0.25, 1.0)))
     a = batch_advantages([group], mode="batch_std", eps=1e-6).kept[0].advantages_G

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.packing import TrainSequence, pack, packed_logprobs, plan_micro_batches, token_scales
+from sandpiper.trainer.packing import (
+    TrainSequence,
+    pack,
+    packed_logprobs,
+    plan_micro_batches,
+    token_scales,
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +91,7 @@ def test_token_scales_sum_to_the_right_mean() -> None:
 
 
 def test_rows_of_a_micro_batch_match_one_row(model) -> None:
-    from trainer.packing import pack_rows, plan_rows
+    from sandpiper.trainer.packing import pack_rows, plan_rows
 
     rng = np.random.default_rng(3)
     seqs = [_seq(rng, n, prompt=1) for n in (30, 12, 7, 25, 18, 3)]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from store.records import PolicyRecord
-from trainer.retention import RetentionPolicy, prune_checkpoints, versions_to_keep
+from sandpiper.store.records import PolicyRecord
+from sandpiper.trainer.retention import RetentionPolicy, prune_checkpoints, versions_to_keep
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
