@@ -55,9 +55,7 @@ def test_the_wheel_has_one_top_level_name_and_every_part(wheel: Path) -> None:
     assert "sandpiper/data/chat_template.jinja" in names
 
 
-def test_the_installed_wheel_imports_as_sandpiper_parts_only(
-    wheel: Path, tmp_path: Path
-) -> None:
+def test_the_installed_wheel_imports_as_sandpiper_parts_only(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
