@@ -55,7 +55,13 @@ from sandpiper.collector.sandbox.base import ExecOutcome, ToolSandbox
 from sandpiper.collector.scoring import score_answer
 from sandpiper.collector.tasks import DEFAULT_TESTS_DEST, Task
 from sandpiper.collector.tools.base import ToolResult
-from sandpiper.config import CollectorConfig, InferenceConfig, RunConfig
+from sandpiper.config import (
+    CollectorConfig,
+    CollectorSettings,
+    InferenceConfig,
+    RunConfig,
+    collector_settings,
+)
 from sandpiper.errors import SandboxError, SandboxLostError, SandpiperError, TaskError
 from sandpiper.store.records import (
     INFRA_STOPS,
@@ -119,8 +125,9 @@ class EpisodeLimits:
     system_prompt: str = SYSTEM_PROMPT
 
     @classmethod
-    def from_config(cls, config: RunConfig) -> EpisodeLimits:
-        """The limits of a ``RunConfig`` (training and evaluation use the same ones)."""
+    def from_config(cls, config: CollectorSettings | RunConfig) -> EpisodeLimits:
+        """The limits of the collector's settings (training and evaluation use the same ones)."""
+        config = collector_settings(config)
         cc = config.collector
         return cls(
             max_turns=cc.max_turns,

@@ -54,7 +54,7 @@ from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.status import CollectorMetrics
 from sandpiper.collector.tasks import Task
-from sandpiper.config import RunConfig
+from sandpiper.config import CollectorSettings, RunConfig, collector_settings
 from sandpiper.errors import SandpiperError, StoreError, TaskError
 from sandpiper.store.collectors import task_rank
 from sandpiper.store.records import (
@@ -110,7 +110,7 @@ class Collector:
 
     def __init__(
         self,
-        config: RunConfig,
+        config: CollectorSettings | RunConfig,
         *,
         client: PolicyClient,
         renderer: ChatRenderer,
@@ -123,6 +123,7 @@ class Collector:
         report: Callable[[dict[str, Any]], None] | None = None,
         gateway: Gateway | None = None,
     ) -> None:
+        config = collector_settings(config)
         cc = config.collector
         self.config, self.cc = config, cc
         self.run_id = config.name
@@ -151,7 +152,7 @@ class Collector:
         self.max_unconsumed = (
             cc.max_unconsumed_groups
             if cc.max_unconsumed_groups is not None
-            else config.learner.groups_per_step * (config.learner.max_lag + 1)
+            else config.groups_per_step * (config.max_lag + 1)
         )
         self.max_groups_in_flight = math.ceil(cc.max_concurrent_episodes / cc.group_size) + 1
         self.metrics = CollectorMetrics(policy_version=client.policy_version)

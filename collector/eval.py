@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
 
 from sandpiper.collector.chat_policy import ChatEndpoint, ChatPolicy
 from sandpiper.collector.tasks import Task
+from sandpiper.config import CollectorSettings, RunConfig, collector_settings
 from sandpiper.store.records import EpisodeRecord
 
 __all__ = ["ChatEndpoint", "evaluate"]
 
 
-async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str | None) -> int:
+async def evaluate(
+    config: CollectorSettings | RunConfig, *, endpoint_url: str, model: str, api_key: str | None
+) -> int:
     """Run every task once (see the module docstring); returns the number of groups stored."""
     from sandpiper.collector.agent import EpisodeLimits, default_toolbox_factory, run_pooled_episode
     from sandpiper.collector.journal import SeqJournal
@@ -32,6 +34,7 @@ async def evaluate(config: Any, *, endpoint_url: str, model: str, api_key: str |
     from sandpiper.collector.tools import offered_schemas
     from sandpiper.store.records import GroupRecord, GroupSampling, Split
 
+    config = collector_settings(config)
     cc = config.collector
     tasks = load_tasks(
         cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed

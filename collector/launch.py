@@ -1,4 +1,4 @@
-"""Wiring: build the collector's real parts from a :class:`RunConfig` and run it.
+"""Wiring: build the collector's real parts from its settings (:class:`CollectorSettings`) and run it.
 
 ``await collect(config, stop=event)`` does, in order:
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from sandpiper.collector.run_setup import open_store, start_run_servers
 from sandpiper.collector.status import CollectorMetrics
-from sandpiper.config import RunConfig
+from sandpiper.config import CollectorSettings, RunConfig, collector_settings
 from sandpiper.errors import ConfigError
 from sandpiper.store.collectors import default_host
 
@@ -55,7 +55,7 @@ class _RecordingClient:
 
 
 async def collect(
-    config: RunConfig,
+    config: CollectorSettings | RunConfig,
     *,
     stop: asyncio.Event,
     live_status: bool | None = None,
@@ -77,6 +77,7 @@ async def collect(
     from sandpiper.collector.status import StatusReporter
     from sandpiper.collector.tasks import load_tasks
 
+    config = collector_settings(config)
     cc, run_dir = config.collector, config.run_dir
     tasks = load_tasks(
         cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed
@@ -90,7 +91,7 @@ async def collect(
     # keep the registration live through the start-up (servers may take minutes); the
     # daemon heartbeats itself once it runs
     startup_beat = asyncio.create_task(_beat(store, collector_id, cc.heartbeat_s))
-    tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
     renderer = renderer_for(tokenizer, config)
     reporter = StatusReporter(
         cc.metrics_file or run_dir / "collector_metrics.jsonl", live=live_status
@@ -130,7 +131,7 @@ async def collect(
                 # External servers may hold other weights (another run, an older version):
                 # load this run's latest policy (version 0 = learner.model) before sampling.
                 latest = await asyncio.to_thread(store.latest_policy, config.name)
-                weights = latest.checkpoint_uri if latest else config.learner.model
+                weights = latest.checkpoint_uri if latest else config.model
                 version = latest.version if latest else 0
                 # announced first: checkpoint retention keeps what a collector is loading
                 await asyncio.to_thread(

@@ -5,32 +5,31 @@ servers."""
 from __future__ import annotations
 
 import contextlib
-import json
 from typing import Any
 
-from sandpiper.config import RunConfig
+from sandpiper.config import CollectorSettings
 from sandpiper.version import code_version
 
 
-def open_store(config: RunConfig) -> Any:
+def open_store(config: CollectorSettings) -> Any:
     """The run's store, initialised, with this run registered (its config and code version)."""
     from sandpiper.store import Store
     from sandpiper.store.records import RunRecord
 
     store = Store(config.store.url, lock_timeout_s=config.store.lock_timeout_s)
     store.init()
-    run = RunRecord(config.name, json.dumps(config.model_dump(mode="json")), code_version())
+    run = RunRecord(config.name, config.resolved_json, code_version())
     store.ensure_run(run)
     return store
 
 
-async def start_run_servers(config: RunConfig, stack: contextlib.AsyncExitStack) -> list[Any]:
+async def start_run_servers(
+    config: CollectorSettings, stack: contextlib.AsyncExitStack
+) -> list[Any]:
     """The run's local servers on version 0 (none when ``inference.server_urls`` is given),
     logging to ``inference.log_dir`` or else the run's folder."""
     from sandpiper.collector.inference.server import start_servers
 
     if config.inference.server_urls:
         return []
-    return await start_servers(
-        config.inference, config.learner.model, stack, log_dir=config.run_dir
-    )
+    return await start_servers(config.inference, config.model, stack, log_dir=config.run_dir)

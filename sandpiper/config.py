@@ -352,6 +352,92 @@ class RunConfig(_Part):
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.name
 
+    def for_collector(self) -> CollectorSettings:
+        """The collector's part of this config (also what the gateway and evaluation take)."""
+        return CollectorSettings(
+            **self._run_fields(),
+            sandbox=self.sandbox,
+            inference=self.inference,
+            collector=self.collector,
+            model=self.learner.model,
+            groups_per_step=self.learner.groups_per_step,
+            max_lag=self.learner.max_lag,
+        )
+
+    def for_learner(self) -> LearnerSettings:
+        """The learner's part of this config."""
+        return LearnerSettings(
+            **self._run_fields(),
+            runs_dir=self.runs_dir,
+            learner=self.learner,
+            tracking=self.tracking,
+            collector_heartbeat_ttl_s=self.collector.heartbeat_ttl_s,
+        )
+
+    def _run_fields(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "run_dir": self.run_dir,
+            "seed": self.seed,
+            "store": self.store,
+            "resolved_json": json.dumps(self.model_dump(mode="json")),
+        }
+
+
+def collector_settings(config: RunConfig | CollectorSettings) -> CollectorSettings:
+    """The collector's settings; the collector's entry points also take a whole
+    :class:`RunConfig` (as they did before the parts were given only their own settings)."""
+    return config if isinstance(config, CollectorSettings) else config.for_collector()
+
+
+def learner_settings(config: RunConfig | LearnerSettings) -> LearnerSettings:
+    """The learner's settings (its entry points also take a whole :class:`RunConfig`)."""
+    return config if isinstance(config, LearnerSettings) else config.for_learner()
+
+
+class _Settings(BaseModel):
+    """What one part is given: the run's identity, the store, and its own sections.
+
+    Built from a :class:`RunConfig` at the top (the CLI, the demo, tests) by
+    :meth:`RunConfig.for_collector` / :meth:`RunConfig.for_learner`; a part never sees
+    another part's section, only the few facts of it that it acts on, named here."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    run_dir: Path
+    seed: int
+    store: StoreConfig
+    resolved_json: str
+    """The whole resolved config as JSON, recorded with the run (``runs.config_json``); a
+    part stores it and never reads it back."""
+
+
+class CollectorSettings(_Settings):
+    """The collector's settings (the gateway and ``sandpiper eval`` take the same)."""
+
+    sandbox: SandboxConfig
+    inference: InferenceConfig
+    collector: CollectorConfig
+    model: str
+    """The policy's initial weights and tokenizer (``learner.model``)."""
+    groups_per_step: int
+    """``learner.groups_per_step``: with ``max_lag``, the backpressure window of
+    ``groups_per_step × (max_lag + 1)`` unconsumed groups."""
+    max_lag: int
+    """``learner.max_lag``, the one setting of both parts."""
+
+
+class LearnerSettings(_Settings):
+    """The learner's settings."""
+
+    runs_dir: str
+    learner: LearnerConfig
+    tracking: TrackingConfig
+    collector_heartbeat_ttl_s: float
+    """``collector.heartbeat_ttl_s``: how long a silent collector still holds the checkpoints
+    it may load (checkpoint retention)."""
+
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
     """Turn ``["--learner.lr", "1e-6", "--collector.group_size=4"]`` into a nested dict.
@@ -452,12 +538,15 @@ def to_toml(config: RunConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_resolved(config: RunConfig, run_dir: str | Path | None = None) -> Path:
-    """Write the resolved config into the run directory and return its path."""
+def write_resolved(config: RunConfig | _Settings, run_dir: str | Path | None = None) -> Path:
+    """Write the resolved config into the run directory and return its path (a part's
+    settings write the whole run's config they were built from)."""
     target = Path(run_dir) if run_dir is not None else config.run_dir
     target.mkdir(parents=True, exist_ok=True)
     out = target / "config.resolved.toml"
     tmp = out.with_suffix(".tmp")
+    if isinstance(config, _Settings):
+        config = RunConfig.model_validate_json(config.resolved_json)
     tmp.write_text(to_toml(config))
     tmp.replace(out)
     return out

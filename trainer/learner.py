@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sandpiper.config import RunConfig
+from sandpiper.config import LearnerSettings, RunConfig, learner_settings
 from sandpiper.errors import LearnerError, NotLeaderError, PolicyConflictError, StoreError
 from sandpiper.store.records import Fence, LeaseRecord, PolicyRecord, TrainBatch, TrainEpisode
 from sandpiper.trainer import resume
@@ -99,14 +99,18 @@ class LearnerStore(Protocol):
     ) -> None: ...  # fmt: skip
 
 
-def checkpoint_dir(cfg: RunConfig) -> Path:
+def checkpoint_dir(cfg: LearnerSettings | RunConfig) -> Path:
+    cfg = learner_settings(cfg)
     return Path(cfg.learner.checkpoint_dir or cfg.run_dir / "policies")
 
 
 class Learner:
     """Holds the engine and the current policy version; :meth:`run` is the main loop."""
 
-    def __init__(self, cfg: RunConfig, store: LearnerStore | None, world: World) -> None:
+    def __init__(
+        self, cfg: LearnerSettings | RunConfig, store: LearnerStore | None, world: World
+    ) -> None:
+        cfg = learner_settings(cfg)
         self.cfg, self.lc, self.store, self.world = cfg, cfg.learner, store, world
         self.run_id = cfg.name
         # Unique per process: a restarted learner is a new learner, never one that could
@@ -373,7 +377,7 @@ class Learner:
     def _prune(self) -> None:
         rule = RetentionPolicy(
             self.lc.checkpoint_keep_last, self.lc.checkpoint_keep_every,
-            self.lc.checkpoint_grace_s, self.cfg.collector.heartbeat_ttl_s,
+            self.lc.checkpoint_grace_s, self.cfg.collector_heartbeat_ttl_s,
         )  # fmt: skip
         try:
             prune_checkpoints(

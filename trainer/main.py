@@ -12,14 +12,20 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sandpiper.config import RunConfig, load_config, write_resolved
+from sandpiper.config import (
+    LearnerSettings,
+    RunConfig,
+    learner_settings,
+    load_config,
+    write_resolved,
+)
 from sandpiper.version import code_version
 
 if TYPE_CHECKING:  # torch is imported late: `sandpiper --help` stays fast
     from sandpiper.trainer.engine import World
 
 
-def run_learner(cfg: RunConfig) -> int:
+def run_learner(cfg: LearnerSettings | RunConfig) -> int:
     """Run GRPO (until ``max_steps`` / ``max_idle_s``) or one SFT pass; returns steps done."""
     from sandpiper.trainer.engine import init_distributed, shutdown_distributed
 
@@ -33,7 +39,8 @@ def run_learner(cfg: RunConfig) -> int:
         shutdown_distributed(clean=clean)
 
 
-def _run(cfg: RunConfig, world: World) -> int:
+def _run(cfg: LearnerSettings | RunConfig, world: World) -> int:
+    cfg = learner_settings(cfg)
     _log_to_stderr()
 
     from sandpiper.store import Store
@@ -47,15 +54,13 @@ def _run(cfg: RunConfig, world: World) -> int:
         write_resolved(cfg)
         store = Store(cfg.store.url, lock_timeout_s=cfg.store.lock_timeout_s)
         store.init()
-        store.ensure_run(
-            RunRecord(cfg.name, json.dumps(cfg.model_dump(mode="json")), code_version())
-        )
+        store.ensure_run(RunRecord(cfg.name, cfg.resolved_json, code_version()))
     learner = Learner(cfg, store, world)
     tracker = Tracker(
         cfg.tracking,
         runs_dir=cfg.runs_dir,
         run_name=f"{cfg.name}-{cfg.learner.algo}",
-        params=cfg.model_dump(mode="json"),
+        params=json.loads(cfg.resolved_json),
         active=world.is_main,
     )
     status = "FAILED"
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--algo" in args:
         i = args.index("--algo")
         args[i] = "--learner.algo"
-    run_learner(load_config(config, args))
+    run_learner(load_config(config, args).for_learner())
 
 
 if __name__ == "__main__":

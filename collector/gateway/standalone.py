@@ -18,12 +18,15 @@ import asyncio
 import contextlib
 import logging
 
-from sandpiper.config import RunConfig
+from sandpiper.config import CollectorSettings, RunConfig, collector_settings
 
 log = logging.getLogger(__name__)
 
 
-async def serve(config: RunConfig, *, host: str, port: int, stop: asyncio.Event) -> None:
+async def serve(
+    config: CollectorSettings | RunConfig, *, host: str, port: int, stop: asyncio.Event
+) -> None:
+    config = collector_settings(config)
     from transformers import AutoTokenizer
 
     from sandpiper.collector.agent import EpisodeLimits
@@ -32,7 +35,7 @@ async def serve(config: RunConfig, *, host: str, port: int, stop: asyncio.Event)
     from sandpiper.collector.render import renderer_for
     from sandpiper.collector.run_setup import open_store, start_run_servers
 
-    tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
     renderer = renderer_for(tokenizer, config)  # the collector's: template, action format
     async with contextlib.AsyncExitStack() as stack:
         servers = await start_run_servers(config, stack)
@@ -43,7 +46,7 @@ async def serve(config: RunConfig, *, host: str, port: int, stop: asyncio.Event)
             store = await asyncio.to_thread(open_store, config)
             latest = await asyncio.to_thread(store.latest_policy, config.name)
             await client.reload(
-                latest.checkpoint_uri if latest else config.learner.model,
+                latest.checkpoint_uri if latest else config.model,
                 latest.version if latest else 0,
             )
         gateway = Gateway(

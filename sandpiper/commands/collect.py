@@ -48,7 +48,11 @@ def register(app: typer.Typer) -> None:
                     raise typer.BadParameter("--eval needs --endpoint URL")
                 from sandpiper.collector.eval import evaluate
 
-                n = asyncio.run(evaluate(cfg, endpoint_url=endpoint, model=model, api_key=api_key))
+                n = asyncio.run(
+                    evaluate(
+                        cfg.for_collector(), endpoint_url=endpoint, model=model, api_key=api_key
+                    )
+                )
                 typer.echo(f"evaluated {n} tasks; stored as run {cfg.name!r} (split=validation)")
                 return
             from sandpiper.collector.launch import collect as run_collector
@@ -58,7 +62,7 @@ def register(app: typer.Typer) -> None:
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, stop.set)
-                metrics = await run_collector(cfg, stop=stop)
+                metrics = await run_collector(cfg.for_collector(), stop=stop)
                 typer.echo(
                     f"stopped: {metrics.groups_total} groups, {metrics.episodes_total} episodes"
                 )

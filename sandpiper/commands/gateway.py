@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
-            await serve(cfg, host=host, port=port, stop=stop)
+            await serve(cfg.for_collector(), host=host, port=port, stop=stop)
 
         with cli_errors():
             asyncio.run(main())

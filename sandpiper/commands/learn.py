@@ -49,5 +49,5 @@ def register(app: typer.Typer) -> None:
         with cli_errors():
             from sandpiper.trainer.main import run_learner
 
-            steps = run_learner(cfg)
+            steps = run_learner(cfg.for_learner())
         typer.echo(f"learner finished after {steps} step(s) in this process")

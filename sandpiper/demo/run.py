@@ -169,7 +169,9 @@ def collect_demonstrations(config: RunConfig, *, compute_fraction: float) -> Non
         seed=config.seed,
         action_format=config.collector.tool_parser,
     )
-    asyncio.run(collect(config, stop=asyncio.Event(), live_status=False, client=teacher))
+    asyncio.run(
+        collect(config.for_collector(), stop=asyncio.Event(), live_status=False, client=teacher)
+    )
 
 
 def sandpiper_cmd(*args: str) -> list[str]:

@@ -9,6 +9,8 @@ import pytest
 
 from sandpiper.config import (
     CollectorConfig,
+    CollectorSettings,
+    LearnerSettings,
     RunConfig,
     load_config,
     parse_overrides,
@@ -91,3 +93,28 @@ def test_max_lag_is_one_setting_and_the_old_collector_key_is_read_with_a_warning
         load_config(path)
     with pytest.raises(ConfigError, match="differ"):
         load_config(None, ["--collector.max_lag", "0", "--learner.max_lag", "2"])
+
+
+def test_each_part_is_given_only_its_own_settings(tmp_path):
+    cfg = load_config(
+        None,
+        ["--name", "r", "--runs_dir", str(tmp_path), "--learner.model", "m",
+         "--learner.groups_per_step", "3", "--learner.max_lag", "1",
+         "--collector.heartbeat_ttl_s", "7", "--collector.group_size", "2"],
+    )  # fmt: skip
+    col, lea = cfg.for_collector(), cfg.for_learner()
+    # The collector sees no learner or tracking section, only the three learner facts it acts
+    # on; the learner sees no collector, sandbox or inference section.
+    assert {"learner", "tracking"}.isdisjoint(CollectorSettings.model_fields)
+    assert {"collector", "sandbox", "inference"}.isdisjoint(LearnerSettings.model_fields)
+    assert (col.model, col.groups_per_step, col.max_lag) == ("m", 3, 1)
+    assert col.collector.group_size == 2 and col.run_dir == tmp_path / "r"
+    assert lea.collector_heartbeat_ttl_s == 7 and lea.learner.model == "m"
+    # Both record the whole resolved config with the run, and it reads back as it was.
+    assert RunConfig.model_validate_json(col.resolved_json) == cfg
+    assert lea.resolved_json == col.resolved_json
+    with pytest.raises(ValueError):  # frozen: a part cannot change what the run decided
+        col.max_lag = 5
+    # write_resolved from a part's settings writes the whole run's config.
+    out = write_resolved(lea, tmp_path / "out")
+    assert load_config(out) == cfg

@@ -24,7 +24,7 @@ def test_init_distributed_skips_the_shm_comm_op() -> None:
     probe = (
         "import importlib\n"
         "ds_torch = importlib.import_module('deepspeed.comm.torch')\n"
-        "from trainer.engine import disable_shm_comm_op\n"
+        "from sandpiper.trainer.engine import disable_shm_comm_op\n"
         "disable_shm_comm_op()\n"
         "assert ds_torch.build_shm_op() is None, 'DeepSpeed would still build the shm op'\n"
     )
@@ -37,7 +37,7 @@ def test_run_learner_destroys_the_process_group_on_success_and_on_failure() -> N
     8 of 40 two-rank runs here). ``_run`` is replaced so only the wrapping is exercised."""
     probe = (
         "import torch.distributed as dist\n"
-        "import trainer.main as m\n"
+        "import sandpiper.trainer.main as m\n"
         "seen = []\n"
         "def ok(cfg, world):\n"
         "    seen.append(dist.is_initialized())\n"
