@@ -476,7 +476,7 @@ async def _read_answer_file(state: _State, task: Task, sandbox: ToolSandbox) -> 
     every valid episode, as the peer does; an answer passed to ``submit`` wins. It is read
     with the agent's own rights (a link to /etc/passwd reads what the agent could read) and
     never through the agent's shell (its PATH could hold a fake ``cat``)."""
-    path = task.reference.get("answer_file")
+    path = task.reference.answer_file
     if not path or state.submitted_answer:
         return
     try:

@@ -1,13 +1,9 @@
 """Episode rewards: task tests, math equivalence, ROUGE, exact match, banned patterns.
 
-The reward kind and its data live in the task's ``reference`` dict (``TaskRecord.reference``)::
-
-    {"reward": "math" | "exact" | "rouge" | "tests" | "llm_in_sandbox" | "none",
-     "answer": "42",                       # math / exact / rouge / llm_in_sandbox
-     "rouge_type": "rougeL",               # rouge (default rougeL F-measure)
-     "domain": "math", "qa_type": "...",   # llm_in_sandbox: the peer's reward by domain
-     "banned_patterns": ["sorted(", "/tests"],  # plain substrings (case-insensitive, as TRL)
-     "banned_penalty": 1.0}                # a hit makes the reward -banned_penalty (TRL: -1)
+The reward kind and its data are the task's reference, a tagged union on ``reward``
+(:mod:`sandpiper.collector.reference`: math, exact, rouge, llm_in_sandbox, tests, none; plus
+``banned_patterns`` / ``banned_penalty`` on any kind). :func:`compute_reward` also takes the
+reference as the plain dict a task file or the store holds.
 
 Format-specific scoring lives with its format (:mod:`sandpiper.collector.task_formats`).
 
@@ -19,6 +15,7 @@ analysts can see why an episode got its reward.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +25,17 @@ from sandpiper.collector.answer_scores import (  # noqa: F401 (exact_match, norm
     normalize_answer,
     rouge,
 )
+from sandpiper.collector.reference import (
+    REWARD_KINDS,
+    LlmInSandboxReference,
+    RougeReference,
+    TaskReference,
+    TestsReference,
+    parse_reference,
+)
 from sandpiper.errors import TaskError
 
-REWARD_KINDS = ("math", "exact", "rouge", "tests", "llm_in_sandbox", "none")
+__all__ = ["REWARD_KINDS", "RewardOutcome", "banned_hits", "compute_reward"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +46,7 @@ class RewardOutcome:
 
 
 def compute_reward(
-    reference: dict[str, Any],
+    reference: TaskReference | Mapping[str, Any],
     *,
     answer: str | None,
     test_reward: float | None = None,
@@ -54,30 +59,31 @@ def compute_reward(
     task's test script reported at submit (None when it did not run); ``model_text`` is all
     text the policy wrote (for the banned-pattern check).
     """
-    kind = reference.get("reward", "tests" if test_reward is not None else "exact")
-    if kind not in REWARD_KINDS:
-        raise TaskError(f"unknown reward kind {kind!r}; expected one of {REWARD_KINDS}")
+    ref = parse_reference(reference, default_kind="tests" if test_reward is not None else "exact")
+    kind = ref.reward
     breakdown: dict[str, Any] = {"kind": kind, "answered": answer is not None}
-    gold = reference.get("answer")
-    if kind == "tests":
+    gold = getattr(ref, "answer", None)
+    if isinstance(ref, TestsReference):
         base = float(test_reward) if test_reward is not None else 0.0
         breakdown["test_details"] = test_details or {}
     elif kind == "none" or answer is None or gold is None:
         base = 0.0
     elif kind == "math":
-        base = float(math_equal(str(gold), answer))
+        base = float(math_equal(gold, answer))
     elif kind == "exact":
-        base = float(exact_match(str(gold), answer))
-    elif kind == "llm_in_sandbox":
+        base = float(exact_match(gold, answer))
+    elif isinstance(ref, LlmInSandboxReference):
         from sandpiper.collector.task_formats.llm_in_sandbox import score
 
-        base = score(answer, str(gold), str(reference.get("domain", "")), reference.get("qa_type"))
-    else:
-        base = rouge(str(gold), answer, reference.get("rouge_type", "rougeL"))
+        base = score(answer, gold, ref.domain, ref.qa_type)
+    elif isinstance(ref, RougeReference):
+        base = rouge(gold, answer, ref.rouge_type)
+    else:  # pragma: no cover - every kind is handled above
+        raise TaskError(f"no scorer for reward kind {kind!r}")
     breakdown[kind] = base
-    hits = banned_hits(model_text, reference.get("banned_patterns", ()))
+    hits = banned_hits(model_text, ref.banned_patterns)
     if hits:  # as TRL does: a banned pattern replaces the reward with the penalty
-        penalty = float(reference.get("banned_penalty", 1.0))
+        penalty = ref.banned_penalty
         breakdown["banned_hits"] = hits
         breakdown["banned_penalty"] = penalty
         return RewardOutcome(reward=-penalty, breakdown=breakdown)

@@ -29,8 +29,10 @@ import select
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from typing import IO, Any
 
+from sandpiper.collector.reference import TaskReference, parse_reference
 from sandpiper.collector.rewards import RewardOutcome, compute_reward
 from sandpiper.errors import TaskError
 
@@ -139,14 +141,18 @@ _WORKER = ScoringWorker()
 atexit.register(_WORKER.close)
 
 
-async def score_answer(reference: dict[str, Any], **kwargs: Any) -> RewardOutcome:
+async def score_answer(
+    reference: TaskReference | Mapping[str, Any], **kwargs: Any
+) -> RewardOutcome:
     """``compute_reward(reference, **kwargs)`` without blocking the event loop on the answer
     (see the module docstring); raises ``TaskError`` as ``compute_reward`` does."""
-    kind = reference.get("reward", "tests" if kwargs.get("test_reward") is not None else "exact")
+    default = "tests" if kwargs.get("test_reward") is not None else "exact"
+    ref = parse_reference(reference, default_kind=default)
+    kind = ref.reward
     if kind in IN_PLACE_KINDS:
-        return compute_reward(reference, **kwargs)
+        return compute_reward(ref, **kwargs)
     try:
-        return await asyncio.to_thread(_WORKER.score, {"reference": reference, **kwargs})
+        return await asyncio.to_thread(_WORKER.score, {"reference": ref.as_dict(), **kwargs})
     except (ScoringTimeoutError, AnswerKilledWorkerError) as e:  # the answer's doing: graded
         log.warning("%s; the answer scores 0", e)
         flag = "scoring_timed_out" if isinstance(e, ScoringTimeoutError) else "scoring_failed"

@@ -198,7 +198,7 @@ def _document_qa_task(row: dict[str, Any], out: Path, where: str) -> Task:
         (folder / "files" / "input" / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / "files" / "input" / name).write_text(text)
     (folder / "instruction.md").write_text(_DOCUMENT_QA_INSTRUCTION.format(prompt=base.instruction))
-    meta = {**base.reference, "answer_file": "/workspace/answer.txt"}
+    meta = {**base.reference.as_dict(), "answer_file": "/workspace/answer.txt"}
     meta.update(id=base.task_id, format="llm_in_sandbox")
     _write_toml(folder / "task.toml", meta)
     return load_task_folder(folder)
@@ -230,7 +230,7 @@ def _write_toml(path: Path, data: dict[str, Any]) -> None:
 
 def _index_row(task: Task, out: Path) -> dict[str, Any]:
     if task.data_dir is None:
-        row = {"id": task.task_id, "prompt": task.instruction, **task.reference}
+        row = {"id": task.task_id, "prompt": task.instruction, **task.reference.as_dict()}
         if task.system_prompt:
             row["system"] = task.system_prompt
         return {**row, "split": task.split.value}

@@ -9,10 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from sandpiper.collector.reference import REFERENCE_KEYS, task_reference
 from sandpiper.collector.task_formats import aviato, llm_in_sandbox, open_instruct, trl_daytona
 from sandpiper.collector.task_model import (
     ANSWER_KEYS,
-    REFERENCE_KEYS,
     Task,
     assign_split,
     check_unique,
@@ -97,19 +97,20 @@ def task_from_row(row: dict[str, Any], *, source: str, where: str = "") -> Task:
     of chat messages (OpenAI / Aviato style: system and user messages)."""
     instruction, system = row_prompt(row, where)
     answer = first_of(row, ANSWER_KEYS)
-    reference = {k: row[k] for k in REFERENCE_KEYS if k in row}
-    reference.setdefault("reward", "math")
+    fields = {k: row[k] for k in REFERENCE_KEYS if k in row and k != "answer"}
+    fields.setdefault("reward", "math")
     if answer is not None:
-        reference["answer"] = str(answer)
-    elif reference["reward"] not in ("tests", "none"):
+        fields["answer"] = str(answer)
+    elif fields["reward"] not in ("tests", "none"):
         raise TaskError(missing_field(where, "reference answer", ANSWER_KEYS, row))
+    reference = task_reference(fields, where=where)
     task_id = str(row.get("id") or row.get("task_id") or content_id(instruction))
     task = Task(
         task_id=safe_id(task_id, where),
         instruction=instruction,
         reference=reference,
         source=source,
-        format=f"jsonl_{reference['reward']}",
+        format=f"jsonl_{reference.reward}",
         system_prompt=system,
     )
     return with_row_split(task, row, where)
@@ -130,9 +131,12 @@ def load_task_folder(folder: str | Path) -> Task:
         except tomllib.TOMLDecodeError as e:
             raise TaskError(f"{folder}/task.toml: {e}") from None
     has_tests = (folder / "tests").is_dir()
-    reference = {k: meta[k] for k in (*REFERENCE_KEYS, "answer") if k in meta}
-    reference.setdefault("reward", "tests" if has_tests else "exact")
-    if reference["reward"] == "tests" and not has_tests:
+    reference = task_reference(
+        {k: meta[k] for k in REFERENCE_KEYS if k in meta},
+        default_kind="tests" if has_tests else "exact",
+        where=f"{folder}/task.toml",
+    )
+    if reference.reward == "tests" and not has_tests:
         raise TaskError(f"{folder}: reward 'tests' needs a tests/ folder")
     task = Task(
         task_id=safe_id(str(meta.get("id", folder.name)), str(folder)),

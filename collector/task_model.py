@@ -13,11 +13,12 @@ import difflib
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from sandpiper.collector.reference import BrokenReference, TaskReference, task_reference
 from sandpiper.errors import TaskError
 from sandpiper.store.records import Split, TaskRecord
 
@@ -25,20 +26,6 @@ PROMPT_KEYS = ("prompt", "question", "problem", "instruction", "messages")
 ANSWER_KEYS = ("answer", "ground_truth", "solution", "reference_answer")
 CONTEXT_KEYS = ("context", "documents", "input", "passage")
 DEFAULT_TESTS_DEST = "/tmp/.sandpiper-tests"
-REFERENCE_KEYS = (
-    "reward",
-    "banned_patterns",
-    "banned_penalty",
-    "rouge_type",
-    "answer_file",
-    "domain",
-    "qa_type",
-    "result_format",
-    # an external agent run per episode through the gateway (docs/gateway.md)
-    "agent_command",
-    "agent_timeout_s",
-    "agent_env",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +34,9 @@ class Task:
 
     task_id: str
     instruction: str
-    reference: dict[str, Any]
-    """Reward kind and data (see :mod:`sandpiper.collector.rewards`)."""
+    reference: TaskReference
+    """Reward kind and data (:mod:`sandpiper.collector.reference`); a dict of a task file's
+    keys is parsed into it on construction."""
     source: str
     format: str
     split: Split = Split.TRAIN
@@ -83,6 +71,11 @@ class Task:
     system_prompt: str | None = None
     """System message of the task's own prompt (chat-message rows); None = the run's."""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.reference, Mapping):
+            parsed = task_reference(self.reference, where=f"task {self.task_id}")
+            object.__setattr__(self, "reference", parsed)
+
     @property
     def files_dir(self) -> Path | None:
         return _existing(self.data_dir, self.files_subdir)
@@ -99,7 +92,9 @@ class Task:
     def check(self) -> None:
         """Raise ``TaskError`` when the task cannot be run as declared (checked at the start
         of every episode: a broken task is an invalid episode, not a 0)."""
-        if self.reference.get("reward") != "tests" or self.test_command:
+        if isinstance(self.reference, BrokenReference):
+            raise TaskError(self.reference.error)
+        if self.reference.reward != "tests" or self.test_command:
             return
         if self.tests_dir is None or not (self.tests_dir / self.test_script).is_file():
             raise TaskError(
@@ -120,7 +115,7 @@ class Task:
             source=self.source,
             format=self.format,
             instruction=self.instruction,
-            reference=self.reference,
+            reference=self.reference.as_dict(),
             data_uri=str(self.data_dir) if self.data_dir else None,
             split=self.split,
         )

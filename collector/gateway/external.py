@@ -37,7 +37,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ _LOG_TAIL_BYTES = 2000
 
 def agent_command(task: Task) -> list[str] | None:
     """The task's agent command as argv, or None for a native task."""
-    cmd = task.reference.get("agent_command")
+    cmd = task.reference.agent_command
     if cmd is None:
         return None
     if isinstance(cmd, str):
@@ -80,7 +80,7 @@ async def run_external_episode(
     started_at, t0 = utcnow(), time.perf_counter()
     argv = agent_command(task)
     assert argv is not None, "run_external_episode needs a task with agent_command"
-    timeout_s = float(task.reference.get("agent_timeout_s") or DEFAULT_AGENT_TIMEOUT_S)
+    timeout_s = task.reference.agent_timeout_s or DEFAULT_AGENT_TIMEOUT_S
     stop: StopReason | None = None
     error: str | None = None
     with tempfile.TemporaryDirectory(prefix="sandpiper-agent-") as tmp:
@@ -164,7 +164,7 @@ def _agent_env(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "SANDPIPER_"))}
     # programs installed beside sandpiper (mini-swe-agent's `mini`, say) are found first
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    extra: Mapping[str, Any] = task.reference.get("agent_env") or {}
+    extra = task.reference.agent_env or {}
     env.update({str(k): str(v) for k, v in extra.items()})
     env.update(
         OPENAI_BASE_URL=url,

@@ -32,6 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sandpiper.collector.reference import TestsReference
 from sandpiper.collector.task_model import Task, row_prompt, safe_id
 from sandpiper.errors import TaskError
 
@@ -82,7 +83,7 @@ def folder_task(
     return Task(
         task_id=safe_id(task_id or folder.name, str(folder)),
         instruction=instruction,
-        reference={"reward": "tests", "result_format": "reward_file"},
+        reference=TestsReference(result_format="reward_file"),
         source=folder.parent.name,
         format="open_instruct",
         data_dir=folder,

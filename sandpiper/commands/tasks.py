@@ -68,4 +68,4 @@ def register(app: typer.Typer) -> None:
                 source, validation_fraction=validation_fraction, split_seed=split_seed
             )
         for t in tasks:
-            typer.echo(f"{t.task_id}\t{t.split.value}\t{t.format}\t{t.reference.get('reward')}")
+            typer.echo(f"{t.task_id}\t{t.split.value}\t{t.format}\t{t.reference.reward}")
