@@ -17,8 +17,8 @@ from sandpiper.collector.reference import (
     task_reference,
 )
 from sandpiper.collector.reference import (
-    TestsReference as TestsKind,  # (a Test* name would be collected by pytest)
 )
+from sandpiper.collector import reference  # TestsReference by attribute: pytest collects Test* names
 from sandpiper.collector.rewards import compute_reward
 from sandpiper.collector.tasks import load_tasks
 from sandpiper.errors import TaskError
@@ -30,7 +30,7 @@ def test_the_kind_picks_the_class_and_its_fields():
     ref = parse_reference({"reward": "llm_in_sandbox", "answer": 3, "domain": "math"})
     assert isinstance(ref, LlmInSandboxReference) and ref.answer == "3"  # numbers read as text
     assert isinstance(parse_reference({"answer": "1"}, default_kind="math"), MathReference)
-    assert isinstance(parse_reference({}, default_kind="tests"), TestsKind)
+    assert isinstance(parse_reference({}, default_kind="tests"), reference.TestsReference)
     # A row's keys that its kind does not read are not part of its reference.
     ref = parse_reference({"reward": "math", "answer": "1", "domain": "algebra"})
     assert ref.as_dict() == {"reward": "math", "answer": "1"}
