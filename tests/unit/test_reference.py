@@ -6,6 +6,9 @@ import json
 
 import pytest
 
+from sandpiper.collector import (
+    reference,  # TestsReference by attribute: pytest collects Test* names
+)
 from sandpiper.collector.reference import (
     REFERENCE_KEYS,
     REWARD_KINDS,
@@ -16,9 +19,6 @@ from sandpiper.collector.reference import (
     parse_reference,
     task_reference,
 )
-from sandpiper.collector.reference import (
-)
-from sandpiper.collector import reference  # TestsReference by attribute: pytest collects Test* names
 from sandpiper.collector.rewards import compute_reward
 from sandpiper.collector.tasks import load_tasks
 from sandpiper.errors import TaskError
