@@ -44,6 +44,7 @@ from sandpiper.store.records import (
     ToolErrorKind,
     TurnRecord,
 )
+from sandpiper.store.step_metrics import StepMetrics
 
 T0 = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
 """Start of the synthetic run (fixed so that outputs are reproducible)."""
@@ -183,18 +184,17 @@ def _learner_step(
 ) -> LearnerStepData:
     valid = [e.reward for g in groups for e in g.episodes if e.valid and e.reward is not None]
     w_mean = 1.0 + rng.uniform(-0.03, 0.03)
-    # keys as the learner writes them (trainer.loss.LossStats.summary and the learner loop)
-    metrics = {
-        "is/w_mean": w_mean,
-        "is/w_min": w_mean - rng.uniform(0.2, 0.5),
-        "is/w_max": w_mean + rng.uniform(0.3, 1.5),
-        "is/ess": rng.uniform(0.85, 0.99),
-        "loss/clipped_frac": rng.uniform(0.0, 0.05),
-        "is/masked_frac": rng.uniform(0.0, 0.02),
-        "kl/sampler_vs_learner": rng.uniform(1e-4, 5e-3),
-        "reward/mean": float(np.mean(valid)) if valid else 0.0,
-        "perf/tokens_per_s": rng.uniform(800, 1200),
-    }
+    metrics = StepMetrics(  # the fields the learner fills (store.step_metrics)
+        is_w_mean=w_mean,
+        is_w_min=w_mean - rng.uniform(0.2, 0.5),
+        is_w_max=w_mean + rng.uniform(0.3, 1.5),
+        is_ess=rng.uniform(0.85, 0.99),
+        clipped_frac=rng.uniform(0.0, 0.05),
+        is_masked_frac=rng.uniform(0.0, 0.02),
+        kl_sampler_vs_learner=rng.uniform(1e-4, 5e-3),
+        reward_mean=float(np.mean(valid)) if valid else 0.0,
+        tokens_per_s=rng.uniform(800, 1200),
+    ).to_json()
     policy = PolicyRecord(
         run_id=run_id,
         version=version + 1,

@@ -31,20 +31,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from sandpiper.store.step_metrics import StepMetrics
+
 PASS_REWARD = 1.0
 """Reward at or above which a valid episode counts as passed (rewards are in [0, 1])."""
 
-IMPORTANCE_METRICS = {
-    "is_weight_mean": "is/w_mean",
-    "is_weight_min": "is/w_min",
-    "is_weight_max": "is/w_max",
-    "ess": "is/ess",
-    "clipped_frac": "loss/clipped_frac",
-    "masked_frac": "is/masked_frac",
-    "kl_sampler_learner": "kl/sampler_vs_learner",
-}
-"""Column of the ``importance_weights`` view -> key of ``learner_steps.metrics`` that the
-learner writes (``trainer.loss.LossStats.summary``; a test holds the two together)."""
+IMPORTANCE_METRICS = StepMetrics.view_columns()
+"""Column of the ``importance_weights`` view -> key of ``learner_steps.metrics``, taken from
+the declaration the learner writes by (:class:`sandpiper.store.step_metrics.StepMetrics`)."""
 
 BAD_SAMPLER_OUTPUT = "bad_sampler_output"
 """``records.StopReason.BAD_SAMPLER_OUTPUT``: the store found a non-finite logprob or version

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from sandpiper.config import LearnerSettings, RunConfig, learner_settings
 from sandpiper.errors import LearnerError, NotLeaderError, PolicyConflictError, StoreError
 from sandpiper.store.records import Fence, LeaseRecord, PolicyRecord, TrainBatch, TrainEpisode
+from sandpiper.store.step_metrics import StepMetrics
 from sandpiper.trainer import resume
 from sandpiper.trainer.advantages import batch_advantages
 from sandpiper.trainer.checkpoint import (
@@ -58,8 +59,9 @@ _LOG_METRICS = {"reward/mean": "reward", "sft/nll": "nll", "kl/sampler_vs_learne
 """Metrics worth one glance in the learner's log line (all of them go to MLflow)."""
 
 
-def _brief(metrics: dict[str, float]) -> str:
-    shown = [f"{label} {metrics[key]:.3g}" for key, label in _LOG_METRICS.items() if key in metrics]
+def _brief(metrics: StepMetrics) -> str:
+    values = metrics.to_json()
+    shown = [f"{label} {values[key]:.3g}" for key, label in _LOG_METRICS.items() if key in values]
     return (", " + ", ".join(shown)) if shown else ""
 
 
@@ -241,7 +243,7 @@ class Learner:
                 return None
             time.sleep(self.lc.poll_interval_s)
 
-    def sequences(self, batch: TrainBatch) -> tuple[list[TrainSequence], dict[str, float]]:
+    def sequences(self, batch: TrainBatch) -> tuple[list[TrainSequence], StepMetrics]:
         """Episodes with a non-zero advantage, plus reward/advantage/staleness metrics."""
         adv = batch_advantages(batch.groups, mode=self.lc.advantage, eps=self.lc.adv_eps)
         by_id = {g.group_id: g for g in batch.groups}
@@ -266,21 +268,21 @@ class Learner:
         lags = Counter(self.version - g.min_policy_version for g in batch.groups)
         advs = np.array([s.advantage for s in seqs]) if seqs else np.zeros(1)
         r = adv.rewards if len(adv.rewards) else np.zeros(1)
-        metrics = {
-            "batch/groups": len(batch.groups),
-            "batch/groups_zero_variance": adv.zero_variance_groups,
-            "batch/groups_too_few_valid": adv.too_few_valid_groups,
-            "batch/groups_dropped_stale": batch.dropped_stale,
-            "batch/episodes_invalid": adv.invalid_episodes,
-            "batch/sequences": len(seqs),
-            "reward/mean": float(r.mean()), "reward/std": float(r.std()),
-            "reward/min": float(r.min()), "reward/max": float(r.max()),
-            "advantage/mean": float(advs.mean()), "advantage/std": float(advs.std()),
-            "advantage/abs_max": float(np.abs(advs).max()),
-            "staleness/mean": float(np.mean([self.version - g.min_policy_version
-                                             for g in batch.groups] or [0])),
-        }  # fmt: skip
-        metrics.update({f"staleness/lag_{k}": float(n) for k, n in sorted(lags.items())})
+        metrics = StepMetrics(
+            groups=len(batch.groups),
+            groups_zero_variance=adv.zero_variance_groups,
+            groups_too_few_valid=adv.too_few_valid_groups,
+            groups_dropped_stale=batch.dropped_stale,
+            episodes_invalid=adv.invalid_episodes,
+            sequences=len(seqs),
+            reward_mean=float(r.mean()), reward_std=float(r.std()),
+            reward_min=float(r.min()), reward_max=float(r.max()),
+            advantage_mean=float(advs.mean()), advantage_std=float(advs.std()),
+            advantage_abs_max=float(np.abs(advs).max()),
+            staleness_mean=float(np.mean([self.version - g.min_policy_version
+                                          for g in batch.groups] or [0])),
+            lag_counts={k: float(n) for k, n in sorted(lags.items())},
+        )  # fmt: skip
         return seqs, metrics
 
     def _grpo_loss(
@@ -306,16 +308,17 @@ class Learner:
             ]
             result = optimise(self.engine, minibatches, self._grpo_loss, epochs=self.lc.epochs)
             metrics.update(reduce_stats(result.stats, self.world).summary())
-            metrics["loss/grad_norm"] = result.grad_norm
-            metrics["optimizer_steps"] = result.optimizer_steps
-        metrics["batch/tokens"] = float(sum(len(s.token_ids_T) for s in seqs))
-        metrics["batch/loss_tokens"] = float(sum(s.loss_tokens for s in seqs))
+            metrics.grad_norm = result.grad_norm
+            metrics.optimizer_steps = result.optimizer_steps
+        metrics.tokens = float(sum(len(s.token_ids_T) for s in seqs))
+        metrics.loss_tokens = float(sum(s.loss_tokens for s in seqs))
         return self.publish(metrics, started, claim_id=batch.claim_id)
 
     def publish(
-        self, metrics: dict[str, float], started: float, *, claim_id: str | None
+        self, metrics: StepMetrics, started: float, *, claim_id: str | None
     ) -> dict[str, float]:
-        """Checkpoint ``version + 1`` and register it (with the claim) in the store.
+        """Checkpoint ``version + 1`` and register it (with the claim) in the store; returns
+        the step's metrics as stored (``StepMetrics.to_json``).
 
         Every rank writes its share into one temporary folder (the training state is
         sharded); rank 0 renames it into place and registers it. If the store refuses (this
@@ -340,10 +343,10 @@ class Learner:
         if refused is not None:
             raise LearnerError(refused)
         self.version = new_version
-        return metrics
+        return metrics.to_json()
 
     def _commit(
-        self, new_version: int, tmp: Path, out: Path, metrics: dict[str, float],
+        self, new_version: int, tmp: Path, out: Path, metrics: StepMetrics,
         started: float, train_s: float, claim_id: str | None,
     ) -> str | None:  # fmt: skip
         """Rank 0: rename, register, log, prune; returns why the store refused, or None."""
@@ -351,25 +354,24 @@ class Learner:
             commit_folder(tmp, out)
         except LearnerError as e:
             return str(e)
-        metrics["perf/train_s"] = train_s
-        metrics["perf/step_s"] = time.perf_counter() - started
-        metrics["perf/tokens_per_s"] = metrics.get("batch/tokens", 0.0) / max(train_s, 1e-9)
+        metrics.train_s = train_s
+        metrics.step_s = step_s = time.perf_counter() - started
+        metrics.tokens_per_s = (metrics.tokens or 0.0) / max(train_s, 1e-9)
         record = PolicyRecord(
             self.run_id, new_version, str(out.resolve()), self.version, new_version
         )
         try:
-            self._register(record, claim_id=claim_id, metrics=metrics)
+            self._register(record, claim_id=claim_id, metrics=metrics.to_json())
         except (NotLeaderError, PolicyConflictError) as e:
             shutil.rmtree(out, ignore_errors=True)  # never registered: nobody uses it
             log.error("%s", e)
             return str(e)
         log.info(
             "policy v%d: %.0f tokens in %.1f s (%.0f tokens/s)%s",
-            new_version, metrics.get("batch/tokens", 0.0), metrics["perf/step_s"],
-            metrics["perf/tokens_per_s"], _brief(metrics),
+            new_version, metrics.tokens or 0.0, step_s, metrics.tokens_per_s, _brief(metrics),
         )  # fmt: skip
         if self.tracker is not None:
-            self.tracker.log_step(new_version, metrics)
+            self.tracker.log_step(new_version, metrics.to_json())
         if self.lc.checkpoint_retention:
             self._prune()
         return None

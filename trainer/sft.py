@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from sandpiper.store.step_metrics import StepMetrics
 from sandpiper.trainer.engine import broadcast_from_main
 from sandpiper.trainer.learner import Learner
 from sandpiper.trainer.loss import LossStats
@@ -61,7 +62,7 @@ def run_sft(learner: Learner) -> dict[str, float]:
             tokens=float(micro.loss_mask_T.sum())
         )
 
-    metrics: dict[str, float] = {"sft/episodes": float(len(seqs))}
+    metrics = StepMetrics(sft_episodes=float(len(seqs)))
     if seqs:
         minibatches = [
             build_minibatch(mb, learner_cfg=learner.lc, world=learner.world)
@@ -72,11 +73,11 @@ def run_sft(learner: Learner) -> dict[str, float]:
             learner.engine, minibatches, nll_loss, epochs=learner.lc.epochs, proximal=False
         )
         tokens = reduce_stats(result.stats, learner.world).tokens
-        metrics["sft/nll"] = nll["sum"] / max(result.stats.tokens, 1.0)
-        metrics["sft/loss_tokens"] = tokens / max(learner.lc.epochs, 1)
-        metrics["loss/grad_norm"] = result.grad_norm
-        metrics["optimizer_steps"] = float(result.optimizer_steps)
-        metrics["batch/tokens"] = float(sum(len(s.token_ids_T) for s in seqs) * learner.lc.epochs)
-    metrics["sft/reward_threshold"] = learner.lc.sft_min_reward
-    metrics["sft/mean_len"] = float(np.mean([len(s.token_ids_T) for s in seqs] or [0]))
+        metrics.sft_nll = nll["sum"] / max(result.stats.tokens, 1.0)
+        metrics.sft_loss_tokens = tokens / max(learner.lc.epochs, 1)
+        metrics.grad_norm = result.grad_norm
+        metrics.optimizer_steps = float(result.optimizer_steps)
+        metrics.tokens = float(sum(len(s.token_ids_T) for s in seqs) * learner.lc.epochs)
+    metrics.sft_reward_threshold = learner.lc.sft_min_reward
+    metrics.sft_mean_len = float(np.mean([len(s.token_ids_T) for s in seqs] or [0]))
     return learner.publish(metrics, started, claim_id=None)
