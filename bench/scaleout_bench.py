@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sandpiper.store import Store
 from sandpiper.store.collectors import task_rank
 from sandpiper.store.records import PolicyRecord, RunRecord
-from sandpiper.store.testing import make_group
+from sandpiper.testing import make_group
 
 GROUP_SIZE = 8
 N_TASKS = 64

@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sandpiper.store import Store, arrow_io
 from sandpiper.store.backends import DuckDBBackend
 from sandpiper.store.records import PolicyRecord, RunRecord
-from sandpiper.store.testing import make_group
+from sandpiper.testing import make_group
 
 GROUP_SIZE = 8
 BATCH_EPISODES = 2000

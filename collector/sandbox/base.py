@@ -123,7 +123,7 @@ class Sandbox(Protocol):
 class ToolSandbox(Sandbox, Protocol):
     """What the tools need beyond :class:`Sandbox`: the editor's file operations, the
     grader, and stopping every agent process. ``PodmanSandbox`` and the test fake
-    (``collector/sandbox/fake.py``) provide it."""
+    (:class:`sandpiper.testing.FakeSandbox`) provide it."""
 
     async def probe(self, path: str) -> tuple[str, int]: ...
 

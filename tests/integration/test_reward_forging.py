@@ -24,7 +24,7 @@ from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import Task, load_task_folder
 from sandpiper.collector.tools import TOOL_SCHEMAS
 from sandpiper.store.records import StopReason
-from tests.fixtures.collector import ScriptedPolicy
+from sandpiper.testing import ScriptedPolicy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

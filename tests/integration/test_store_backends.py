@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sandpiper.errors import PolicyConflictError, SchemaVersionError, StoreError
 from sandpiper.store import Store, migrations
 from sandpiper.store.records import GroupStatus, PolicyRecord, RunRecord, TaskRecord
-from sandpiper.store.testing import expected_tokens, make_group
+from sandpiper.testing import expected_tokens, make_group
 
 pytestmark = pytest.mark.integration
 

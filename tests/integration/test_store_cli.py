@@ -10,7 +10,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from sandpiper.store import Store
-from sandpiper.store.testing import make_group
+from sandpiper.testing import make_group
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration

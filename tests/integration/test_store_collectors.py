@@ -16,7 +16,7 @@ from sandpiper.errors import DuplicateGroupError
 from sandpiper.store import Store, migrations
 from sandpiper.store.collectors import task_rank
 from sandpiper.store.records import RunRecord, SlotLease, WriteOutcome
-from sandpiper.store.testing import make_group
+from sandpiper.testing import make_group
 from tests.integration.test_store_backends import store_url  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.integration

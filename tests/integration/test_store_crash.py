@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 WRITER = """
 import sys
 from sandpiper.store import Store
-from sandpiper.store.testing import make_group
+from sandpiper.testing import make_group
 url, spool, prefix = sys.argv[1:4]
 store = Store(url, lock_timeout_s=30)
 with store.writer(spool_dir=spool, flush_interval_s=0.05, flush_max_episodes=40) as w:
@@ -119,7 +119,7 @@ with DuckDBFileLock(sys.argv[1], timeout_s=30).hold(write=True):
 
 
 def test_put_is_acknowledged_while_another_process_holds_the_lock(tmp_path):
-    from sandpiper.store.testing import make_group
+    from sandpiper.testing import make_group
 
     db = tmp_path / "s.duckdb"
     store = Store(f"duckdb:///{db}", lock_timeout_s=30)

@@ -14,7 +14,7 @@ import pytest
 from sandpiper.errors import NotLeaderError, PolicyConflictError
 from sandpiper.store import Store
 from sandpiper.store.records import Fence, GroupStatus, PolicyRecord, RunRecord
-from sandpiper.store.testing import make_group
+from sandpiper.testing import make_group
 from tests.integration.test_store_backends import _fresh_pg_db, _write
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sandpiper.errors import SchemaVersionError
 from sandpiper.store import Store, arrow_io, migrations, schema
 from sandpiper.store.backends import fetch_arrow, insert_arrow
-from sandpiper.store.testing import make_group
+from sandpiper.testing import make_group
 from tests.integration.test_store_backends import _fresh_pg_db
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ from sandpiper.collector.sandbox.images import podman_image_exists
 from sandpiper.collector.tasks import import_tasks, load_task_folder
 from sandpiper.collector.tools import TOOL_SCHEMAS
 from sandpiper.store.records import StopReason
-from tests.fixtures.collector import ScriptedPolicy
+from sandpiper.testing import ScriptedPolicy
 from tests.unit.test_task_formats import open_instruct_task
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -17,11 +17,11 @@ from sandpiper.collector.parsers import (
 from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
-from sandpiper.collector.sandbox.fake import FakeSandbox
 from sandpiper.collector.tasks import Task
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
-from tests.fixtures.collector import (
+from sandpiper.testing import (
     FAKE_TOOL_SCHEMAS,
+    FakeSandbox,
     FakeToolbox,
     ScriptedPolicy,
 )

@@ -11,12 +11,12 @@ import pytest
 from sandpiper.collector.agent import EpisodeLimits, run_episode
 from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
-from sandpiper.collector.sandbox.fake import FakeSandbox
 from sandpiper.collector.tasks import Task
 from sandpiper.errors import InferenceError, SandboxError, SandboxLostError
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
-from tests.fixtures.collector import (
+from sandpiper.testing import (
     FAKE_TOOL_SCHEMAS,
+    FakeSandbox,
     FakeToolbox,
     ScriptedPolicy,
     scripted_sandbox,

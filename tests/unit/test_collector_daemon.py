@@ -13,7 +13,7 @@ from sandpiper.collector.tasks import Task
 from sandpiper.config import RunConfig
 from sandpiper.store.collectors import task_rank
 from sandpiper.store.records import GroupStatus, PolicyRecord, Split, WriteOutcome
-from tests.fixtures.collector import (
+from sandpiper.testing import (
     FAKE_TOOL_SCHEMAS,
     FakePool,
     FakeStore,

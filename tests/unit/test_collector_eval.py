@@ -13,7 +13,7 @@ from sandpiper.collector.chat_policy import ChatEndpoint, ChatPolicy
 from sandpiper.collector.tasks import Task
 from sandpiper.errors import TaskError
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
-from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, FakeToolbox, scripted_sandbox
+from sandpiper.testing import FAKE_TOOL_SCHEMAS, FakeToolbox, scripted_sandbox
 
 TASK = Task("t", "6*7?", {"reward": "math", "answer": "42"}, "unit", "jsonl_math")
 

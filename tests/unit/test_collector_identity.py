@@ -15,7 +15,7 @@ from sandpiper.collector.sandbox.janitor import ContainerInfo, Verdict, judge
 from sandpiper.store import Store
 from sandpiper.store.collectors import new_collector_id, task_rank
 from sandpiper.store.records import RunRecord, Split
-from sandpiper.store.testing import make_group
+from sandpiper.testing import make_group
 
 
 def _ids(n: int) -> list[str]:

@@ -11,9 +11,9 @@ from pathlib import Path
 from sandpiper.collector.agent import tool_record
 from sandpiper.collector.parsers import parse_tool_calls
 from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
-from sandpiper.collector.sandbox.fake import FakeSandbox
 from sandpiper.collector.tools import Toolbox
 from sandpiper.store.records import ToolErrorKind
+from sandpiper.testing import FakeSandbox
 from tests.fixtures.fuzz import HostileTurns
 
 N_TURNS = 10_000

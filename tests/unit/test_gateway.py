@@ -15,7 +15,7 @@ from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.store.records import Role
-from tests.fixtures.collector import FAKE_TOOL_SCHEMAS, ScriptedPolicy
+from sandpiper.testing import FAKE_TOOL_SCHEMAS, ScriptedPolicy
 
 BASH_LS = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "ls"}}\n</tool_call>'
 SUBMIT = '<tool_call>\n{"name": "submit", "arguments": {"answer": "42"}}\n</tool_call>'

@@ -18,7 +18,7 @@ from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import Task
 from sandpiper.collector.tools.base import ToolResult
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
-from tests.fixtures.collector import (
+from sandpiper.testing import (
     FAKE_TOOL_SCHEMAS,
     FakeToolbox,
     ScriptedPolicy,

@@ -15,7 +15,7 @@ import numpy as np
 from sandpiper.collector.gateway.session import EpisodeSession
 from sandpiper.collector.inference.base import Generation
 from sandpiper.collector.render import ChatRenderer
-from tests.fixtures.collector import FAKE_TOOL_SCHEMAS
+from sandpiper.testing import FAKE_TOOL_SCHEMAS
 
 REPLY = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "ls"}}\n</tool_call>'
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from sandpiper.store import arrow_io
 from sandpiper.store.records import Role
-from sandpiper.store.testing import make_group
+from sandpiper.testing import make_group
 
 
 def _as_segments(group):

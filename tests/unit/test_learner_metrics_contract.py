@@ -14,7 +14,7 @@ def test_the_view_reads_declared_keys_that_the_loss_writes() -> None:
     written = LossStats(tokens=10.0).summary()
     metrics = StepMetrics()
     metrics.update(written)  # every key the loss writes is declared (else KeyError)
-    assert IMPORTANCE_METRICS == StepMetrics.view_columns()
+    assert StepMetrics.view_columns() == IMPORTANCE_METRICS
     assert set(IMPORTANCE_METRICS.values()) <= set(written)
     assert set(IMPORTANCE_METRICS.values()) <= set(metrics.to_json())
 

@@ -8,7 +8,7 @@ import pytest
 
 from sandpiper.collector.parsers import parse_tool_calls
 from sandpiper.store.records import ToolErrorKind
-from tests.fixtures.collector import FAKE_TOOL_SCHEMAS
+from sandpiper.testing import FAKE_TOOL_SCHEMAS
 
 
 def test_hermes_single_and_multiple_calls_keep_order_and_content():

@@ -6,7 +6,7 @@ import asyncio
 
 from sandpiper.collector.sandbox.images import ImagePools
 from sandpiper.config import SandboxConfig
-from tests.fixtures.collector import FakePool
+from sandpiper.testing import FakePool
 
 
 def _pools() -> tuple[ImagePools, list[FakePool]]:

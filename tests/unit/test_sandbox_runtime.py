@@ -8,12 +8,12 @@ import json
 import pytest
 
 from sandpiper.collector.sandbox.base import ExecOutcome, Sandbox
-from sandpiper.collector.sandbox.fake import FakeSandbox
 from sandpiper.collector.sandbox.image import ImageRecipe
 from sandpiper.collector.sandbox.podman import PodmanSandbox, container_argv, join_capped
 from sandpiper.collector.sandbox.uids import UidSlots, register_subid_range
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError
+from sandpiper.testing import FakeSandbox
 
 
 def test_container_argv_has_every_isolation_flag():

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sandpiper.errors import SchemaVersionError, StoreError
 from sandpiper.store import arrow_io, migrations, schema
 from sandpiper.store.records import GroupStatus
-from sandpiper.store.testing import expected_tokens, make_group
+from sandpiper.testing import expected_tokens, make_group
 
 ARROW_TO_DUCKDB = {
     pa.string(): "VARCHAR",

@@ -12,8 +12,8 @@ import pytest
 from sandpiper.errors import LearnerError
 from sandpiper.store import Store
 from sandpiper.store.records import INFRA_STOPS, GroupStatus, StopReason
-from sandpiper.store.testing import make_group
 from sandpiper.store.validation import check_episode, check_group
+from sandpiper.testing import make_group
 from sandpiper.trainer.packing import TrainSequence, pack
 
 

@@ -20,7 +20,7 @@ from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import import_tasks, load_task_folder, load_tasks
 from sandpiper.errors import TaskError
 from sandpiper.store.records import StopReason
-from tests.fixtures.collector import (
+from sandpiper.testing import (
     FAKE_TOOL_SCHEMAS,
     FakeToolbox,
     ScriptedPolicy,

@@ -1,0 +1,296 @@
+"""Collector test doubles: a scripted policy, a fake toolbox, store, writer and pool.
+
+- :class:`ScriptedPolicy` implements ``PolicyClient``: each ``generate`` call pops the next
+  scripted reply text, tokenizes it (plus the end-of-turn token) and returns it with fake
+  logprobs and the current version; it records every prompt it was sent.
+- :func:`scripted_sandbox`: the one fake sandbox (:class:`sandpiper.testing.sandbox.FakeSandbox`) with canned
+  command results (``ran: <command>``); it can be told to die.
+- :class:`FakeToolbox` mimics ``collector.tools.Toolbox``'s observable behaviour for the loop:
+  ``execute_bash``, ``submit`` (with a fixed test reward) and unknown-tool errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from sandpiper.collector.inference.base import Generation, SamplingParams
+from sandpiper.collector.tools.base import ToolResult
+from sandpiper.errors import InferenceError
+from sandpiper.store.records import ToolErrorKind
+from sandpiper.testing.sandbox import FakeSandbox
+
+FAKE_TOOL_SCHEMAS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name} tool",
+            "parameters": {"type": "object", "properties": props, "required": list(props)},
+        },
+    }
+    for name, props in [
+        ("execute_bash", {"command": {"type": "string"}, "timeout": {"type": "integer"}}),
+        ("submit", {"answer": {"type": "string"}}),
+    ]
+]
+
+
+class ScriptedPolicy:
+    """A PolicyClient that replies with scripted texts (cycled when ``cycle`` is set)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        replies: list[str | Exception],
+        *,
+        version: int = 0,
+        cycle: bool = False,
+        delay_s: float = 0.0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.replies = list(replies)
+        self.version = version
+        self.cycle = cycle
+        self.delay_s = delay_s
+        self.prompts: list[list[int]] = []
+        self.params: list[SamplingParams] = []
+        self._next = 0
+        self.eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+
+    @property
+    def policy_version(self) -> int:
+        return self.version
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        self.prompts.append(list(prompt_ids))
+        self.params.append(params)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self._next >= len(self.replies):
+            if not self.cycle:
+                raise InferenceError("script exhausted")
+            self._next = 0
+        reply = self.replies[self._next]
+        self._next += 1
+        if isinstance(reply, Exception):
+            raise reply
+        ids = [*self.tokenizer.encode(reply, add_special_tokens=False), self.eos_id]
+        finish = "stop"
+        if len(ids) > params.max_tokens:
+            ids, finish = ids[: params.max_tokens], "length"
+        return Generation(
+            token_ids_T=np.asarray(ids, dtype=np.int32),
+            logprobs_T=np.full(len(ids), -0.5, dtype=np.float32),
+            policy_versions_T=np.full(len(ids), self.version, dtype=np.int32),
+            finish_reason=finish,
+        )
+
+
+def scripted_sandbox(sandbox_id: str | None = None) -> FakeSandbox:
+    """The fake sandbox answering ``ran: <command>`` (tests of the loop, not of the tools)."""
+    return FakeSandbox(sandbox_id, scripted=True)
+
+
+class FakeToolbox:
+    """``execute_bash`` runs in the fake sandbox; ``submit`` returns ``test_reward``."""
+
+    def __init__(
+        self, sandbox: FakeSandbox, *, test_reward: float | None = None, tool_delay_s: float = 0
+    ) -> None:
+        self.sandbox = sandbox
+        self.test_reward = test_reward
+        self.tool_delay_s = tool_delay_s
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        self.calls.append((name, arguments))
+        if self.tool_delay_s:
+            await asyncio.sleep(self.tool_delay_s)
+        if name == "execute_bash":
+            if not isinstance(arguments.get("command"), str):
+                return ToolResult("Error: `command` must be a string", ToolErrorKind.BAD_ARGUMENTS)
+            if self.sandbox.dead:
+                return ToolResult("sandbox died", ToolErrorKind.SANDBOX_DIED)
+            result = await self.sandbox.exec(arguments["command"])
+            return ToolResult(result.stdout, exit_code=result.exit_code, duration_ms=1.0)
+        if name == "submit":
+            answer = arguments.get("answer")
+            return ToolResult(
+                "submitted",
+                submitted=True,
+                answer=answer if isinstance(answer, str) else None,
+                test_reward=self.test_reward,
+                test_details={"passed": 1, "total": 1} if self.test_reward is not None else {},
+            )
+        return ToolResult(f"Error: unknown tool {name!r}", ToolErrorKind.UNKNOWN_TOOL)
+
+
+class FakeStore:
+    """The slice of ``store.Store`` the daemon uses, in memory (slots as in the real store:
+    free slots first by (seq, rank), else a new round of the least-sampled tasks)."""
+
+    def __init__(self) -> None:
+        from sandpiper.store.records import GroupStatus
+
+        self.counts = {s: 0 for s in GroupStatus}
+        self.policy = None
+        self.committed: list[str] = []
+        self.polls = 0
+        self.slots: dict[tuple[str, int], dict] = {}
+        """(task_id, seq) -> {"split", "rank", "status", "holder", "lease"}."""
+        self.heartbeats: list[str] = []
+        self.announced: list[tuple[str, int]] = []
+        """(collector id, policy version) of heartbeats that named a version."""
+        self.stopped: list[str] = []
+
+    def group_ids(self, run_id: str, status=None) -> list[str]:
+        return list(self.committed)
+
+    def group_counts(self, run_id: str):
+        self.polls += 1
+        return dict(self.counts)
+
+    def latest_policy(self, run_id: str):
+        return self.policy
+
+    def heartbeat_collector(self, collector_id: str, *, policy_version=None) -> bool:
+        self.heartbeats.append(collector_id)
+        if policy_version is not None:
+            self.announced.append((collector_id, policy_version))
+        return collector_id not in self.stopped
+
+    def stop_collector(self, collector_id: str) -> int:
+        self.stopped.append(collector_id)
+        mine = [
+            s
+            for s in self.slots.values()
+            if s["holder"] == collector_id and s["status"] == "leased"
+        ]
+        for slot in mine:
+            slot["status"] = "free"
+        return len(mine)
+
+    def claim_slots(self, *, run_id, collector_id, tasks, ttl_s, n=1, split, only=None):
+        from sandpiper.store.records import SlotLease
+
+        leases: list[SlotLease] = []
+        while len(leases) < n:
+            free = sorted(
+                (s["seq"], s["rank"], t)
+                for (t, _), s in self.slots.items()
+                if s["status"] == "free" and s["split"] == split and (only is None or t in only)
+            )
+            if not free:
+                wanted = [(t, r) for t, r in tasks if only is None or t in only]
+                nxt = {
+                    t: 1 + max((q for (u, q) in self.slots if u == t), default=-1)
+                    for t, _ in wanted
+                }
+                low = min(nxt.values())
+                for t, r in wanted:
+                    if nxt[t] == low:
+                        self.slots[(t, low)] = {"seq": low, "rank": r, "split": split,
+                                                "status": "free", "holder": None, "lease": 0}  # fmt: skip
+                continue
+            seq, _, task_id = free[0]
+            slot = self.slots[(task_id, seq)]
+            slot.update(status="leased", holder=collector_id, lease=slot["lease"] + 1)
+            leases.append(SlotLease(run_id, task_id, seq, slot["lease"], collector_id))
+        return leases
+
+    def release_slot(self, lease) -> bool:
+        slot = self.slots[(lease.task_id, lease.seq)]
+        if slot["lease"] != lease.lease or slot["status"] != "leased":
+            return False
+        slot["status"] = "free"
+        return True
+
+
+class FakeWriter:
+    """Acknowledges groups and "commits" them into a FakeStore at once, reporting outcomes
+    (idempotent by group id; a slot whose lease changed is superseded)."""
+
+    def __init__(self, store: FakeStore) -> None:
+        self.store = store
+        self.groups: list = []
+        self.on_outcome = None
+
+    def put(self, group) -> None:
+        from sandpiper.store.records import GroupStatus, Split, WriteOutcome
+
+        seq = int(group.group_id.rpartition("/")[2])
+        slot = self.store.slots.get((group.task_id, seq))
+        if group.group_id in self.store.committed:
+            outcome = WriteOutcome.REPLAYED
+        elif slot is not None and slot["lease"] != group.slot_lease:
+            outcome = WriteOutcome.SUPERSEDED
+        else:
+            outcome = WriteOutcome.STORED
+            if slot is not None:
+                slot["status"] = "done"
+            self.store.committed.append(group.group_id)
+            self.groups.append(group)
+            if group.split is Split.TRAIN:
+                self.store.counts[GroupStatus.READY] += 1
+        if self.on_outcome is not None:
+            self.on_outcome(group, outcome)
+
+    def pending(self) -> int:
+        return 0
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        pass
+
+
+class FakePool:
+    """Hands out FakeSandboxes; records releases."""
+
+    def __init__(self) -> None:
+        self.acquired = 0
+        self.released: list[tuple[str, bool]] = []
+        self.images: list[str | None] = []
+        self.started = self.closed = False
+        self.config: Any = None
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def close(self) -> None:
+        self.closed = True
+
+    async def acquire(
+        self, *, episode_id: str, task_id: str, image: str | None = None
+    ) -> FakeSandbox:
+        self.acquired += 1
+        self.images.append(image)
+        return scripted_sandbox(f"box-{self.acquired}")
+
+    async def release(self, sandbox: FakeSandbox, *, broken: bool = False) -> None:
+        self.released.append((sandbox.id, broken))
+
+    @contextlib.asynccontextmanager
+    async def session(self, *, episode_id: str, task_id: str) -> AsyncIterator[FakeSandbox]:
+        box = await self.acquire(episode_id=episode_id, task_id=task_id)
+        try:
+            yield box
+        except BaseException:
+            await self.release(box, broken=True)
+            raise
+        await self.release(box)
+
+
+class ReloadablePolicy(ScriptedPolicy):
+    """A ScriptedPolicy with ``reload`` (records the checkpoints it was given)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reloads: list[tuple[str, int]] = []
+
+    async def reload(self, checkpoint_dir: str, version: int) -> None:
+        self.reloads.append((str(checkpoint_dir), version))
+        self.version = version
