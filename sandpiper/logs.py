@@ -62,26 +62,41 @@ def is_verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0", "false")
 
 
+class _RootHandler(logging.StreamHandler):
+    """The one handler :func:`setup_logging` puts on the root logger (found again by type).
+
+    Without a stream of its own it writes to whatever ``sys.stderr`` is at each record, not
+    the one of the moment it was made: a stream replaced since (a test's capture, closed
+    after the test) would fail every later record with "I/O operation on closed file"."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        super().__init__(stream)
+        self._follow_stderr = stream is None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._follow_stderr:
+            self.stream = sys.stderr  # the handler's lock is held here
+        super().emit(record)
+
+
 def setup_logging(
     *, verbose: bool | None = None, stream: TextIO | None = None, level: int = logging.INFO
 ) -> None:
     """Configure the root logger once (calling it again only changes the levels)."""
-    stream = stream or sys.stderr
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
     verbose = is_verbose()
     root = logging.getLogger()
-    if not any(getattr(h, "_sandpiper", False) for h in root.handlers):
-        handler = logging.StreamHandler(stream)
+    if not any(isinstance(h, _RootHandler) for h in root.handlers):
+        handler = _RootHandler(stream)  # None: sys.stderr as it is at each record
         handler.setFormatter(logging.Formatter(log_format(), datefmt="%H:%M:%S"))
-        handler._sandpiper = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(level)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
     # mlflow sets its own logger's level when imported, from this variable.
     os.environ["MLFLOW_LOGGING_LEVEL"] = "INFO" if verbose else "WARNING"
-    if not _is_tty(stream):
+    if not _is_tty(stream or sys.stderr):
         disable_progress_bars()
 
 

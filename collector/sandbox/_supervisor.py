@@ -123,6 +123,9 @@ class Capper:
 
 class State:
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.cwd = WORKSPACE
         self.env = dict(BASE_ENV)
 
@@ -647,7 +650,7 @@ def handle(state: State, req: dict, payload: bytes) -> tuple[dict, bytes]:
         return grader.grade(sys.modules[__name__], req, payload)
     if op == "reset":
         reset_all()
-        state.__init__()  # type: ignore[misc]  # reset the shell state in place
+        state.reset()
         return {}, b""
     if op == "kill_all":
         kill_everything_else()

@@ -89,7 +89,7 @@ def test_setup_logging_twice_keeps_one_handler(monkeypatch):
     try:
         logs.setup_logging()
         logs.setup_logging()
-        ours = [h for h in root.handlers if getattr(h, "_sandpiper", False)]
+        ours = [h for h in root.handlers if isinstance(h, logs._RootHandler)]
         assert len(ours) == 1
         assert logging.getLogger("httpx").level == logging.WARNING
     finally:
@@ -192,3 +192,26 @@ def test_a_pytest_run_that_loads_duckdb_and_torch_ends_without_teardown_noise(tm
     )  # fmt: skip
     assert normal.returncode == 1, normal.stdout + normal.stderr
     assert "1 failed, 1 passed" in normal.stdout
+
+
+def test_the_root_handler_follows_stderr_when_it_is_replaced(monkeypatch):
+    """A handler made while stderr was a test's capture must not write to it once it is
+    closed ("I/O operation on closed file" on every later record)."""
+    import io
+
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    handler = logs._RootHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("sandpiper.test_follow")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("one")
+        first.close()
+        monkeypatch.setattr("sys.stderr", second)
+        log.warning("two")
+    finally:
+        log.removeHandler(handler)
+        log.propagate = True
+    assert second.getvalue() == "two\n"
