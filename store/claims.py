@@ -52,7 +52,7 @@ def claim(
     """See :meth:`sandpiper.store.Store.claim_batch`; with ``fence``, only the run's leader may claim."""
     gs, g, pol = T.group_states, T.groups, T.policies
     now = utcnow()
-    with store._write() as conn:
+    with store.transaction() as conn:
         if fence is not None:
             leases.check(conn, fence, skip_locked=store.backend.skip_locked)
         current = conn.execute(

@@ -72,7 +72,7 @@ def register(
     """Insert this process's row (started and heartbeat now); returns its collector id."""
     host = host or default_host()
     cid = collector_id or new_collector_id(host)
-    with store._write() as conn:
+    with store.transaction() as conn:
         now = db_now(conn)
         conn.execute(
             sa.insert(T.collectors).values(
@@ -91,7 +91,7 @@ def heartbeat(store, collector_id: str, *, policy_version: int | None = None) ->
     values: dict = {"heartbeat_at": sa.func.now()}
     if policy_version is not None:
         values["policy_version"] = policy_version
-    with store._write() as conn:
+    with store.transaction() as conn:
         n = conn.execute(
             sa.update(c)
             .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
@@ -121,7 +121,7 @@ def referenced_versions(store, *, run_id: str, within_s: float) -> set[int]:
 def stop(store, collector_id: str) -> int:
     """Mark the collector stopped and free the slots it still leases; returns how many."""
     c, s = T.collectors, T.task_slots
-    with store._write() as conn:
+    with store.transaction() as conn:
         now = db_now(conn)
         conn.execute(
             sa.update(c)
@@ -235,7 +235,7 @@ def claim(
     known = {t for t, _ in tasks}
     leases: list[SlotLease] = []
     c = T.collectors
-    with store._write() as conn:
+    with store.transaction() as conn:
         # claiming proves the claimer alive: never reap slots issued a moment ago because
         # the heartbeat loop has not run yet (e.g. a slow start-up after registration)
         conn.execute(
@@ -323,7 +323,7 @@ def _add_round(store, conn, *, run_id: str, split: Split, tasks, only, n: int) -
 def release(store, lease: SlotLease) -> bool:
     """Give a slot back unfinished (its group was cancelled); False if it was re-issued."""
     s = T.task_slots
-    with store._write() as conn:
+    with store.transaction() as conn:
         n = conn.execute(
             sa.update(s)
             .where(

@@ -129,7 +129,7 @@ def write(store, groups: list[GroupRecord]) -> WriteReport:
     candidates = [g for gid, g in batch.items() if gid not in outcomes]
     # episodes with unusable sampler output are stored invalid (store.validation)
     all_tables = _checked_tables(candidates, now) if candidates else None
-    with store._write() as conn:
+    with store.transaction() as conn:
         stored = _stored_episodes(conn, list(batch))
         pending: list[GroupRecord] = []
         # slots are finished in key order, so two writers never lock the same rows crosswise

@@ -47,7 +47,7 @@ def acquire(store, *, run_id: str, learner_id: str, lease_s: float) -> LeaseReco
     """Take (or keep) the lease of ``run_id``; ``held`` says whether the caller has it."""
     ll, gs = T.learner_leases, T.group_states
     pg = store.backend.skip_locked
-    with store._write() as conn:
+    with store.transaction() as conn:
         now = store_now(conn)
         expires = now + timedelta(seconds=lease_s)
         row = _row(conn, run_id, lock="update", skip_locked=pg)
@@ -86,7 +86,7 @@ def acquire(store, *, run_id: str, learner_id: str, lease_s: float) -> LeaseReco
 def renew(store, fence: Fence, *, lease_s: float) -> LeaseRecord:
     """Extend the lease; raises :class:`NotLeaderError` if another learner took it."""
     ll = T.learner_leases
-    with store._write() as conn:
+    with store.transaction() as conn:
         check(conn, fence, skip_locked=store.backend.skip_locked, lock="update")
         expires = store_now(conn) + timedelta(seconds=lease_s)
         conn.execute(sa.update(ll).where(ll.c.run_id == fence.run_id).values(expires_at=expires))
@@ -96,7 +96,7 @@ def renew(store, fence: Fence, *, lease_s: float) -> LeaseRecord:
 def release(store, fence: Fence) -> None:
     """Let the lease lapse now (a clean stop), so a standby takes over at once."""
     ll = T.learner_leases
-    with store._write() as conn:
+    with store.transaction() as conn:
         conn.execute(
             sa.update(ll)
             .where(

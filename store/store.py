@@ -106,7 +106,10 @@ class Store:
             self._checked = True
 
     @contextmanager
-    def _write(self) -> Iterator[sa.Connection]:
+    def transaction(self) -> Iterator[sa.Connection]:
+        """One write transaction (committed on exit, rolled back on an exception), serialised
+        with every other writer of this store (the DuckDB file lock; a PostgreSQL transaction).
+        The store's modules (claims, leases, collectors, ingest) write through it."""
         with self.backend.write() as conn:
             self._check(conn)
             yield conn
@@ -124,7 +127,7 @@ class Store:
         """Register the run unless it exists (the first process's record stays). One
         ``INSERT … ON CONFLICT DO NOTHING``: a check-then-insert raced between collectors
         starting at once on PostgreSQL and one died with a unique violation."""
-        with self._write() as conn:
+        with self.transaction() as conn:
             conn.execute(
                 postgresql.insert(T.runs)
                 .values(
@@ -159,7 +162,7 @@ class Store:
             index_elements=[T.tasks.c.task_id],
             set_={c.name: insert.excluded[c.name] for c in T.tasks.c if c.name != "task_id"},
         )
-        with self._write() as conn:
+        with self.transaction() as conn:
             conn.execute(upsert, rows)
 
     def register_policy(
@@ -177,7 +180,7 @@ class Store:
         with ``fence`` a learner that is no longer in charge gets :class:`NotLeaderError`.
         """
         pol = T.policies
-        with self._write() as conn:
+        with self.transaction() as conn:
             if fence is not None:
                 leases.check(conn, fence, skip_locked=self.backend.skip_locked)
             latest = conn.execute(
@@ -422,7 +425,7 @@ class Store:
     def release_claim(self, claim_id: str, *, fence: Fence | None = None) -> None:
         """Give a claim's groups back (READY) without training on them."""
         gs = T.group_states
-        with self._write() as conn:
+        with self.transaction() as conn:
             if fence is not None:
                 leases.check(conn, fence, skip_locked=self.backend.skip_locked)
             conn.execute(

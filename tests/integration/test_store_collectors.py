@@ -254,7 +254,7 @@ def test_heartbeats_announce_the_policy_version_that_retention_keeps(store):
     store.stop_collector(c)
     assert [r.policy_version for r in store.collectors("run")] == [3, 5, 4]
     assert store.collector_policy_versions(run_id="run", within_s=60) == {3, 5}
-    with store._write() as conn:  # b fell silent 2 minutes ago (store clock)
+    with store.transaction() as conn:  # b fell silent 2 minutes ago (store clock)
         conn.execute(
             sa.text("UPDATE collectors SET heartbeat_at = heartbeat_at - INTERVAL '2 minutes' "
                     "WHERE collector_id = :b"),
