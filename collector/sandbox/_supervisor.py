@@ -100,6 +100,7 @@ _TOOLS: dict[str, str] = {}
 PF_EXITING = 0x4
 """``task->flags`` bit of a process that is exiting (``/proc/PID/stat`` field 9)."""
 _SENTINEL = None
+_SENTINEL_STOPPED = False
 """A ``bash`` of the agent's uid blocked reading a pipe only this shell holds (see
 :func:`sentinel_killed`); started before a command when it is not running."""
 
@@ -157,13 +158,15 @@ def _tool(name: str) -> str:
 
 def ensure_sentinel() -> None:
     """Start the sentinel if it is not running (after a reset, a ``kill -9 -1``, grading)."""
-    global _SENTINEL
+    global _SENTINEL, _SENTINEL_STOPPED
     if _SENTINEL is not None:
-        if _SENTINEL.poll() is None:
+        if _SENTINEL_STOPPED:
+            _SENTINEL.wait()  # killed on purpose and dying: gone in a moment
+        elif _SENTINEL.poll() is None:
             return
         if _SENTINEL.stdin is not None:
             _SENTINEL.stdin.close()
-        _SENTINEL = None
+        _SENTINEL, _SENTINEL_STOPPED = None, False
     ids = {"user": AGENT_UID, "group": AGENT_UID, "extra_groups": []}
     # its stdin is a pipe this shell never writes: when the shell goes, the sentinel goes.
     # Cannot start (pids exhausted): the command runs without, as the command would fail.
@@ -175,6 +178,24 @@ def ensure_sentinel() -> None:
         )  # fmt: skip
 
 
+def stop_sentinel() -> None:
+    """Kill the sentinel before killing the agent's processes on purpose (reset, grading): it
+    is not the agent's, so it must not count as left. Not waited for: with a SIGKILL pending
+    it never runs user code again, and :func:`uid_processes` skips it until it is reaped."""
+    global _SENTINEL_STOPPED
+    if _SENTINEL is not None and _SENTINEL.poll() is None:
+        _SENTINEL.kill()
+        _SENTINEL_STOPPED = True
+
+
+def _dying_sentinel() -> int | None:
+    """The pid of the sentinel killed by :func:`stop_sentinel` while it is not reaped (so
+    the pid cannot have been reused)."""
+    if _SENTINEL is not None and _SENTINEL_STOPPED and _SENTINEL.poll() is None:
+        return _SENTINEL.pid
+    return None
+
+
 def sentinel_killed() -> bool:
     """Whether the sentinel was killed (it never exits by itself): a command killed every
     process of the agent's uid, which ``timeout(1)``, the command's parent before, used to
@@ -182,7 +203,7 @@ def sentinel_killed() -> bool:
     before the sentinel has run to die; then ``PF_EXITING`` shows until it is a zombie
     (between the two lies a window of a few instructions of the dying sentinel, not of the
     command, so a ``kill -9 -1`` is missed only if the sentinel is preempted just there)."""
-    if _SENTINEL is None:
+    if _SENTINEL is None or _SENTINEL_STOPPED:
         return False
     if _SENTINEL.poll() is not None:
         return True
@@ -390,21 +411,24 @@ def kill_everything_else() -> None:
     """SIGKILL every process this uid can signal except us and init (kill -9 -1)."""
     if not inside_sandbox():
         raise RuntimeError("refusing kill -1 outside a sandbox container")
-    for _ in range(200):  # a fork bomb keeps forking while we kill
+    stop_sentinel()
+    for attempt in range(200):  # a fork bomb keeps forking while we kill
         try:
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
             break
         reap()
-        time.sleep(0.005)
+        # short first: the killed (the sentinel at least) die within moments
+        time.sleep(min(0.005, 0.0002 * 2**attempt))
     reap()
 
 
 def uid_processes(uid: int) -> list[int]:
-    """Pids of live (not zombie) processes whose real or effective uid is ``uid``."""
-    found = []
+    """Pids of live (not zombie) processes whose real or effective uid is ``uid`` (not the
+    sentinel killed on purpose)."""
+    found, dying = [], str(_dying_sentinel())
     for name in os.listdir("/proc"):
-        if not name.isdigit():
+        if not name.isdigit() or name == dying:
             continue
         try:
             with open(f"/proc/{name}/status") as f:
@@ -427,6 +451,8 @@ def kill_uid(uid: int) -> int:
     holds nothing worth stealing in the moment it shares the uid."""
     if not PRIVILEGED:
         return 0
+    if uid == AGENT_UID:
+        stop_sentinel()
     for _ in range(3):
         if not uid_processes(uid):  # only the supervisor starts this uid: none can appear
             return 0
