@@ -99,7 +99,7 @@ DRAIN_AFTER_EXIT_S = 0.05
 _TOOLS: dict[str, str] = {}
 PF_EXITING = 0x4
 """``task->flags`` bit of a process that is exiting (``/proc/PID/stat`` field 9)."""
-_SENTINEL = None
+_SENTINEL: "subprocess.Popen[bytes] | None" = None
 _SENTINEL_STOPPED = False
 """A ``bash`` of the agent's uid blocked reading a pipe only this shell holds (see
 :func:`sentinel_killed`); started before a command when it is not running."""
@@ -167,14 +167,13 @@ def ensure_sentinel() -> None:
         if _SENTINEL.stdin is not None:
             _SENTINEL.stdin.close()
         _SENTINEL, _SENTINEL_STOPPED = None, False
-    ids = {"user": AGENT_UID, "group": AGENT_UID, "extra_groups": []}
     # its stdin is a pipe this shell never writes: when the shell goes, the sentinel goes.
     # Cannot start (pids exhausted): the command runs without, as the command would fail.
     with contextlib.suppress(OSError):
         _SENTINEL = subprocess.Popen(
             [_tool("bash"), "-c", "read -r _"], stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=BASE_ENV, cwd="/",
-            start_new_session=True, **ids,
+            start_new_session=True, user=AGENT_UID, group=AGENT_UID, extra_groups=[],
         )  # fmt: skip
 
 
