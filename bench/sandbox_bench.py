@@ -15,38 +15,65 @@ Measured in one run, on this host:
 
 Goals (issue 4): overhead p50 ≤ 2 ms, p99 ≤ 20 ms, speed-up ≥ 50×, acquire ≤ 5 ms.
 
-Where the tail at 16 sandboxes came from (issue 17). Profiled by CPU accounting, which a
-loaded host does not blur: ``/proc/PID/stat`` of the ``podman exec`` clients and conmon,
-``cpuacct.usage`` and ``cpu.stat`` of each container's cgroup, ``getrusage`` of this process.
+Where the tail comes from (issue 17), round 1 (load average 30-45): the cgroup weight. Root
+podman on this cgroup-v1 host put every container under ``libpod_parent``, ONE sibling of
+the host's root-cgroup processes (``cpu.shares`` 1024): the whole pool got one host
+process's CPU share and ran ~21 commands/s at any concurrency. Fix: each container in its
+own top-level cgroup (``--cgroup-parent /<name>``, ``podman.cgroup_parent``), and the agent's
+uid is dropped between fork and exec instead of exec'ing ``setpriv``: back to back, 21 ->
+148-154 commands/s at 16, 8x -> 39-40x ``podman exec``.
 
-- CPU-quota throttling (``--cpus``): none. ``nr_throttled`` stayed 0 over 1,600 commands at
-  16 sandboxes; one command uses far less than its 1-CPU quota.
-- CPU per ``true`` at 16 sandboxes: 8.1 ms inside the container, 1.1 ms in the ``podman
-  exec`` client (stdio relay), 0.6 ms in this event loop, ~0 in conmon. Inside (200 runs in
-  a container): ``bash -c true`` 1.5 ms, ``timeout`` +1.4 ms, the state-reporting prelude
-  +1.2 ms, the supervisor's spawn/select ~1 ms; running the agent as its own uid through
-  ``setpriv`` would add another exec (+~1.3 ms).
-- The tail itself: the cgroup weight. Root podman on this cgroup-v1 host puts every
-  container under ``libpod_parent``, one sibling of every process in the host's root cgroup
-  with the default ``cpu.shares`` of 1024. All the sandboxes together therefore got the CPU
-  share of ONE host process, against this bench's 16 ``podman exec`` clients and event loop
-  (and anything else running): commands queued behind that, while bare bash, 16 processes
-  of the root cgroup, got 16 shares. Under other work (load average ~40) the whole pool ran
-  ~21 commands/s whatever the concurrency (c=1: 23/s, c=8: 21/s, c=16: 21/s).
+Round 2 (2026-11-25): on a QUIET machine (load 0.2) c=8 still had p99 132-135 ms while p50
+was 12 ms (bare bash p99 12-15). Not a fixed stall. Each call was traced by stage on one
+clock (the container shares the host's CLOCK_MONOTONIC: host send -> supervisor read ->
+child spawned -> child exit seen -> reply written -> host read), with
+``/proc/PID/schedstat`` (run_delay) of the supervisor, ``timeout`` and bash of the call, and
+each container's ``cpu.stat`` / ``cpuacct.usage`` (a temporary tracing patch of the
+supervisor and a probe script; not committed):
 
-Fix: each container gets its own top-level cgroup (``--cgroup-parent /<name>``, see
-``podman.cgroup_parent``), so each sandbox weighs like one host process, as a bare bash
-does; and the supervisor drops the agent's uid between fork and exec instead of exec'ing
-``setpriv``. Measured back to back on
-the loaded shared host (load average 30–45, so ratios only): before, shell overhead at 16
-p50 729 ms / p99 1,182 ms, 21 commands/s, 8× ``podman exec``; after, p50 14–26 ms /
-p99 −153 to −159 ms (the shell's tail is now shorter than spawning bash from the host),
-148–154 commands/s, 39–40× ``podman exec``. Left: the ``podman exec`` stdio relay
-(1.1 ms CPU and two extra processes to wake per command; a unix socket bind-mounted into
-the container would remove it) and the per-command prelude. (The "after" runs also had
-``timeout`` removed; it was put back, one exec or ~1.4 ms CPU per command, because
-``kill -9 -1`` from a command must kill the command's parent to be reported as killed; the
-figures were not re-measured with it.)
+- the slow calls' time is inside the container, in spawning and running the command (read ->
+  spawned up to 214 ms, spawned -> exit up to 523 ms); the host stages are 0.2-0.8 ms at
+  the median; the drain after exit (``DRAIN_AFTER_EXIT_S``) is 0.1 ms; no select timeout,
+  timer or GC pause shows;
+- that time is waiting on a run queue: in a 582 ms call bash waited 274 ms runnable and
+  ``timeout`` 58 ms, for 1.8 + 1.7 ms of CPU; in a 305 ms call ``timeout`` waited 119 ms;
+- no CPU-quota throttling: ``nr_throttled`` 0 in every container; with the quota removed
+  the tail stayed (c=8 p99 123 / 154 ms vs 143 / 116 with it, alternating);
+- the two cores are saturated (idle 0.00): 8 closed-loop workers, 5-8 ms of host CPU per
+  ``true`` (container cgroups 4.7-5.4 ms of it, the supervisor 1.3-1.7, the ``podman exec``
+  client 0.3-0.6, this loop 0.2). The mean latency is then set by the throughput; the tail
+  by how the scheduler shares the cores between sandbox cgroups. Each sandbox is a group
+  entity; one whose tasks hop between the two CPUs has its weight split by each CPU's load
+  history, so some sandboxes run bursts of fast commands (60 % under 10 ms) while others
+  wait 100-500 ms. Evidence, alternating on the same machine at c=8: each container pinned
+  to one CPU (cpuset, alternating 0/1) -> p99 44-50 ms, max 104-142 (unpinned 130-133 ms,
+  max 224-576) but p50 28 ms instead of 6-8; the containers' tasks moved to the root cpu
+  cgroup (one autogroup per command) -> p99 51-58, p50 26-27. Bare bash runs flat, as tasks
+  of this process's autogroup. Neither is adopted: p50 gets 3-4x worse, throughput drops,
+  and a pinned sandbox cannot use an idle core (the cpuset experiment was not repeated on a
+  bigger host).
+
+Fix (round 2): less CPU and one process fewer per command. ``timeout(1)`` is gone: the
+supervisor SIGKILLs the command's process group at the deadline itself, and ``kill -9 -1``
+from a command (which used to kill ``timeout``, the command's parent) is still reported as
+killed (137) through a sentinel: an idle ``bash`` of the agent's uid that dies with every
+other agent process (``_supervisor.sentinel_killed``). In a container, ``timeout -s KILL 30
+bash -c true`` costs 2.15 ms of CPU, ``bash -c true`` 1.15 ms (200 runs each). Container
+CPU per ``true`` at c=16, back to back: 5.7 / 5.5 ms before, 4.3 / 5.0 after (load 6-16).
+The scheduler's tail stays: c=8 p99 is unchanged (115-135 ms in both).
+
+Back to back, ``.venv/bin/python bench/sandbox_bench.py --json``, old code (main) and new
+alternating, 2026-11-25 05:00-05:05 UTC, load average 12-16 (other work running):
+c=1 p50 9.3 / 5.7 -> 4.1 / 3.7 ms; c=16 p50 63.5 / 65.8 -> 51.6 / 53.2 ms, p99 128 / 130 ->
+105 / 109 ms, 241 / 232 -> 299 / 288 commands/s; ``shell_overhead_ms_p50`` 37.1 / 37.0 ->
+22.3 / 25.1, ``_p99`` 80.1 / 60.6 -> 21.3 / 42.6 (bare bash's own p99 at 16 is 48-83 ms
+under this load); ``speedup_vs_podman_exec`` 23.8 / 34.3 -> 28.9 / 29.6 (``podman exec``
+throughput, 5 calls a worker, swings 40 % run to run); ``reset_ms_p50`` 0.9 / 0.8 -> 1.5 /
+1.6 ms (the sentinel is killed and reaped at each reset). Goals still missed: overhead p50
+(2 ms) and p99 (20 ms) at 16, speed-up 50x. Left: the supervisor's fork (dropping the uid
+forbids vfork: ~0.9 ms per command), the ``podman exec`` stdio relay (0.3-0.8 ms CPU and two
+extra processes to wake), the prelude (~0.8 ms), and the scheduler's unfairness between
+sandbox cgroups at saturation.
 
 ``--grading`` measures only what grading and episode turnaround cost (issue 14), on 2
 containers, with a 1 MiB workspace and a trivial test:

@@ -6,11 +6,13 @@ talks to it over stdin/stdout with framed messages: one JSON header line, then e
 byte-exact). Replies use the same framing; the reply header is the end marker and carries
 the exit status.
 
-Each command runs as ``timeout -s KILL T bash -c PRELUDE+COMMAND`` in its own session and
-process group, as the agent's uid (set between fork and exec, see :func:`spawn`). Its
-stdout/stderr are read here and capped at the source: the first and last ``cap/2`` bytes are
-kept and the total is counted, so 1 GB of output never leaves the container. On timeout the
-whole process group is SIGKILLed.
+Each command runs as ``bash -c PRELUDE+COMMAND`` in its own session and process group, as
+the agent's uid (set between fork and exec, see :func:`spawn`). Its stdout/stderr are read
+here and capped at the source: the first and last ``cap/2`` bytes are kept and the total is
+counted, so 1 GB of output never leaves the container. At the deadline this shell SIGKILLs
+the whole process group (no ``timeout(1)`` in between: one exec less per command). A
+command that kills every process of the agent (``kill -9 -1``) is reported as killed (137):
+a sentinel process of the agent's uid (:func:`sentinel_killed`) dies with the others.
 
 State semantics: the working directory and the exported environment persist from one command
 to the next (bash runs with ``set -a``, so plain ``X=1`` assignments persist too); shell
@@ -19,9 +21,9 @@ they write after their command returned is not collected (redirect it to a file)
 
 Users: the supervisor runs as container root (an unprivileged host uid) holding only the
 capabilities it needs to manage the container (chown, DAC override, fowner, kill, setuid,
-setgid, setpcap). Every agent command runs as ``AGENT_UID`` through ``setpriv`` with no
-capabilities and an empty bounding set, so the agent cannot trace, signal or borrow the file
-descriptors of the supervisor; the agent-facing file operations (the editor, seed files) run
+setgid, setpcap). Every agent command runs as ``AGENT_UID`` (dropped between fork and exec)
+with no capabilities and an empty bounding set, so the agent cannot trace, signal or borrow
+the file descriptors of the supervisor; the agent-facing file operations (the editor, seed files) run
 with the agent's file-system uid, so they have exactly the agent's rights. Grading
 (``grader.py``) runs the tests as ``GRADER_UID``, a uid the agent never has.
 
@@ -94,6 +96,13 @@ MAX_SCAN_BYTES = 1 << 30
 """A line-range read scans at most this much of a file (any real file on the tmpfs fits)."""
 DRAIN_AFTER_EXIT_S = 0.05
 """How long to keep reading pipes held open by background processes after the command."""
+_TOOLS: dict[str, str] = {}
+PF_EXITING = 0x4
+"""``task->flags`` bit of a process that is exiting (``/proc/PID/stat`` field 9)."""
+_SENTINEL: "subprocess.Popen[bytes] | None" = None
+_SENTINEL_STOPPED = False
+"""A ``bash`` of the agent's uid blocked reading a pipe only this shell holds (see
+:func:`sentinel_killed`); started before a command when it is not running."""
 
 
 class Capper:
@@ -145,7 +154,75 @@ def oom_kills() -> int:
 
 def _tool(name: str) -> str:
     """The absolute path of an image tool, found in the image's own PATH (never the agent's)."""
-    return shutil.which(name, path=BASE_ENV["PATH"]) or name
+    if name not in _TOOLS:
+        _TOOLS[name] = shutil.which(name, path=BASE_ENV["PATH"]) or name
+    return _TOOLS[name]
+
+
+def ensure_sentinel() -> None:
+    """Start the sentinel if it is not running (after a reset, a ``kill -9 -1``, grading)."""
+    global _SENTINEL, _SENTINEL_STOPPED
+    if _SENTINEL is not None:
+        if _SENTINEL_STOPPED:
+            _SENTINEL.wait()  # killed on purpose and dying: gone in a moment
+        elif _SENTINEL.poll() is None:
+            return
+        if _SENTINEL.stdin is not None:
+            _SENTINEL.stdin.close()
+        _SENTINEL, _SENTINEL_STOPPED = None, False
+    # its stdin is a pipe this shell never writes: when the shell goes, the sentinel goes.
+    # Cannot start (pids exhausted): the command runs without, as the command would fail.
+    with contextlib.suppress(OSError):
+        _SENTINEL = subprocess.Popen(
+            [_tool("bash"), "-c", "read -r _"], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=BASE_ENV, cwd="/",
+            start_new_session=True, user=AGENT_UID, group=AGENT_UID, extra_groups=[],
+        )  # fmt: skip
+
+
+def stop_sentinel() -> None:
+    """Kill the sentinel before killing the agent's processes on purpose (reset, grading): it
+    is not the agent's, so it must not count as left. Not waited for: with a SIGKILL pending
+    it never runs user code again, and :func:`uid_processes` skips it until it is reaped."""
+    global _SENTINEL_STOPPED
+    if _SENTINEL is not None and _SENTINEL.poll() is None:
+        _SENTINEL.kill()
+        _SENTINEL_STOPPED = True
+
+
+def _dying_sentinel() -> int | None:
+    """The pid of the sentinel killed by :func:`stop_sentinel` while it is not reaped (so
+    the pid cannot have been reused)."""
+    if _SENTINEL is not None and _SENTINEL_STOPPED and _SENTINEL.poll() is None:
+        return _SENTINEL.pid
+    return None
+
+
+def sentinel_killed() -> bool:
+    """Whether the sentinel was killed (it never exits by itself): a command killed every
+    process of the agent's uid, which ``timeout(1)``, the command's parent before, used to
+    report as the command killed. A SIGKILL sent is pending at once, so it shows in ``/proc``
+    before the sentinel has run to die; then ``PF_EXITING`` shows until it is a zombie
+    (between the two lies a window of a few instructions of the dying sentinel, not of the
+    command, so a ``kill -9 -1`` is missed only if the sentinel is preempted just there)."""
+    if _SENTINEL is None or _SENTINEL_STOPPED:
+        return False
+    if _SENTINEL.poll() is not None:
+        return True
+    try:
+        with open(f"/proc/{_SENTINEL.pid}/stat") as f:
+            flags = int(f.read().rpartition(")")[2].split()[6])
+        if flags & PF_EXITING:
+            return True
+        with open(f"/proc/{_SENTINEL.pid}/status") as f:
+            for line in f:
+                if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (
+                    1 << (signal.SIGKILL - 1)
+                ):
+                    return True
+    except (OSError, ValueError, IndexError):
+        return True
+    return False
 
 
 def reap() -> None:
@@ -170,7 +247,7 @@ def parse_state(blob: bytes, state: State) -> None:
 
 
 def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGENT_UID):
-    """Run ``argv`` as ``uid`` in its own session under ``timeout``; read its output capped.
+    """Run ``argv`` as ``uid`` in its own session until ``timeout_s``; read its output capped.
 
     No ``setpriv`` exec on the way: the child drops to ``uid`` between fork and exec
     (``Popen(user=, group=, extra_groups=[])``: setting every uid to a non-zero one clears
@@ -179,11 +256,6 @@ def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGEN
 
     Returns (header, out, err, state_blob); header has exit_code, outcome, duration_ms."""
     ids = {"user": uid, "group": uid, "extra_groups": []} if PRIVILEGED else {}
-    # timeout(1) stays: as the command's parent it is what ``kill -9 -1`` from the command
-    # kills, which reports the command as killed (137) and resets the shell state.
-    # by absolute path: Popen looks argv[0] up in the command's PATH, which the agent sets
-    # (``export PATH=/nowhere`` must not leave every later command unable to start)
-    argv = [_tool("timeout"), "-s", "KILL", f"{timeout_s:.3f}", *argv]
     oom_before = oom_kills()
     started = time.monotonic()
     out, err, state_blob = Capper(cap), Capper(cap), bytearray()
@@ -234,11 +306,17 @@ def run_command(state: State, req: dict) -> tuple[dict, bytes]:
     overrides = req.get("env") or {}
     env.update(overrides)
     state_r, state_w = os.pipe()
+    # by absolute path: Popen looks argv[0] up in the command's PATH, which the agent sets
+    # (``export PATH=/nowhere`` must not leave every later command unable to start)
     argv = [_tool("bash"), "-c", PRELUDE, "bash", str(state_w), req["command"]]
+    if PRIVILEGED:
+        ensure_sentinel()
     header, out, err, state_blob = spawn(
         argv, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap, pass_fds=(state_w,),
         state_r=state_r,
     )  # fmt: skip
+    if PRIVILEGED and header["outcome"] == "ok" and sentinel_killed():
+        header["exit_code"] = 137  # ``kill -9 -1``: killed, like every process of the agent
     if clean or header.get("spawn_error"):  # a clean-environment run leaves the state alone
         return _exec_reply(header, out, err)
     saved = {k: state.env.get(k) for k in overrides}
@@ -257,7 +335,8 @@ def _fed(capper: Capper, data: bytes) -> Capper:
 
 
 def _pump(proc, state_r, out, err, state_blob, deadline) -> bool:
-    """Read the command's pipes until it exits (or times out); True when it timed out."""
+    """Read the command's pipes until it exits; at ``deadline`` SIGKILL its process group.
+    True when it timed out."""
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, out)
     sel.register(proc.stderr, selectors.EVENT_READ, err)
@@ -270,11 +349,10 @@ def _pump(proc, state_r, out, err, state_blob, deadline) -> bool:
     try:
         while len(sel.get_map()) > 1 or exited_at is None:
             now = time.monotonic()
-            if exited_at is None and now > deadline + 0.5:
-                # timeout(1) should have fired; kill the group ourselves (watchdog level 1)
-                _killpg(proc.pid)
+            if exited_at is None and now >= deadline:
+                _killpg(proc.pid)  # the whole group, as timeout(1) did (watchdog level 1)
                 timed_out = True
-            wait = 0.5
+            wait = 0.5 if timed_out else min(deadline - now, 0.5)
             if exited_at is not None:
                 wait = exited_at + DRAIN_AFTER_EXIT_S - now
                 if wait <= 0:
@@ -335,21 +413,24 @@ def kill_everything_else() -> None:
     """SIGKILL every process this uid can signal except us and init (kill -9 -1)."""
     if not inside_sandbox():
         raise RuntimeError("refusing kill -1 outside a sandbox container")
-    for _ in range(200):  # a fork bomb keeps forking while we kill
+    stop_sentinel()
+    for attempt in range(200):  # a fork bomb keeps forking while we kill
         try:
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
             break
         reap()
-        time.sleep(0.005)
+        # short first: the killed (the sentinel at least) die within moments
+        time.sleep(min(0.005, 0.0002 * 2**attempt))
     reap()
 
 
 def uid_processes(uid: int) -> list[int]:
-    """Pids of live (not zombie) processes whose real or effective uid is ``uid``."""
-    found = []
+    """Pids of live (not zombie) processes whose real or effective uid is ``uid`` (not the
+    sentinel killed on purpose)."""
+    found, dying = [], str(_dying_sentinel())
     for name in os.listdir("/proc"):
-        if not name.isdigit():
+        if not name.isdigit() or name == dying:
             continue
         try:
             with open(f"/proc/{name}/status") as f:
@@ -372,6 +453,8 @@ def kill_uid(uid: int) -> int:
     holds nothing worth stealing in the moment it shares the uid."""
     if not PRIVILEGED:
         return 0
+    if uid == AGENT_UID:
+        stop_sentinel()
     for _ in range(3):
         if not uid_processes(uid):  # only the supervisor starts this uid: none can appear
             return 0

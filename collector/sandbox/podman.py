@@ -7,7 +7,7 @@ stdlib-only ``_supervisor.py``, bind-mounted read-only and started once with
 the end marker with the exit status). See ``_supervisor.py`` for the state semantics.
 
 Watchdog ladder when a command overruns:
-1. inside: ``timeout -s KILL`` and the shell kill the command's process group at the deadline;
+1. inside: the shell SIGKILLs the command's process group at the deadline;
 2. host: no reply ``WATCHDOG_GRACE_S`` after the deadline → kill the shell client and start a
    new shell with ``--takeover`` (SIGKILLs everything but init; the workspace survives);
 3. host: the shell cannot be restarted → the container is replaced. The outcome is

@@ -127,6 +127,25 @@ def test_kill_all_processes_leaves_init_and_a_working_shell(sandbox_pool):
     asyncio.run(go())
 
 
+def test_kill_all_is_reported_once_and_only_by_the_command_that_did_it(sandbox_pool):
+    """No ``timeout(1)`` parent: a sentinel of the agent's uid tells a ``kill -9 -1`` (builtin
+    or ``/bin/kill``); the commands after it, a reset and a grade-time kill are not killed."""
+
+    async def go():
+        async with sandbox_pool(pool_size=1) as pool:
+            box = await pool.acquire(episode_id="e", task_id="t")
+            for command in ("kill -9 -1", "/bin/kill -9 -1", "sleep 100 & kill -9 -1; echo x"):
+                assert (await box.exec(command)).exit_code == 137, command
+                assert (await box.exec("true")).exit_code == 0
+            await box.reset()
+            assert [(await box.exec("true")).exit_code for _ in range(3)] == [0, 0, 0]
+            await box.kill_all()
+            assert (await box.exec("echo ok")).stdout == "ok\n"
+            await pool.release(box)
+
+    asyncio.run(go())
+
+
 def test_background_process_does_not_survive_the_episode(sandbox_pool):
     async def go():
         async with sandbox_pool(pool_size=1) as pool:
