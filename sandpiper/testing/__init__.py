@@ -6,6 +6,7 @@
   fake logprobs and versions.
 - :class:`FakeToolbox` (``ToolRunner``), :class:`FakeStore` / :class:`FakeWriter` (the
   collector's store and writer), :class:`FakePool` (``Pool``).
+- :class:`MemoryStore` (the learner's ``LearnerStore``): claims, leases and fences in memory.
 - :func:`make_group` / :func:`expected_tokens`: deterministic synthetic ``GroupRecord``s for
   store tests and benchmarks.
 
@@ -24,6 +25,7 @@ from sandpiper.testing.collector import (
     scripted_sandbox,
 )
 from sandpiper.testing.groups import expected_tokens, make_group
+from sandpiper.testing.learner import MemoryStore, to_train_group
 from sandpiper.testing.sandbox import FakeSandbox
 
 __all__ = [
@@ -33,9 +35,11 @@ __all__ = [
     "FakeStore",
     "FakeToolbox",
     "FakeWriter",
+    "MemoryStore",
     "ReloadablePolicy",
     "ScriptedPolicy",
     "expected_tokens",
     "make_group",
     "scripted_sandbox",
+    "to_train_group",
 ]

@@ -250,7 +250,9 @@ class FakeWriter:
 class FakePool:
     """Hands out FakeSandboxes; records releases."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.fail = fail
+        """Raised by every ``acquire`` (a missing image, a failing start)."""
         self.acquired = 0
         self.released: list[tuple[str, bool]] = []
         self.images: list[str | None] = []
@@ -266,6 +268,8 @@ class FakePool:
     async def acquire(
         self, *, episode_id: str, task_id: str, image: str | None = None
     ) -> FakeSandbox:
+        if self.fail is not None:
+            raise self.fail
         self.acquired += 1
         self.images.append(image)
         return scripted_sandbox(f"box-{self.acquired}")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.fixtures.learner import MemoryStore, make_config, sample_group
+from sandpiper.testing import MemoryStore
+from tests.fixtures.learner import make_config, sample_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -16,6 +16,7 @@ from sandpiper.errors import InferenceError, SandboxError, SandboxLostError
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from sandpiper.testing import (
     FAKE_TOOL_SCHEMAS,
+    FakePool,
     FakeSandbox,
     FakeToolbox,
     ScriptedPolicy,
@@ -328,21 +329,14 @@ def test_run_pooled_episode_contains_an_exception_of_the_episode_and_replaces_it
 ):
     from sandpiper.collector.agent import run_pooled_episode
 
-    released = []
-
-    class Pool:
-        async def acquire(self, **_):
-            return scripted_sandbox("box-1")
-
-        async def release(self, sandbox, *, broken=False):
-            released.append((sandbox.id, broken))
+    pool = FakePool()
 
     async def exploding_run(**_):
         raise RuntimeError("boom")
 
     episode = asyncio.run(
         run_pooled_episode(
-            Pool(),
+            pool,
             episode_id="e",
             sample_index=3,
             task=MATH,
@@ -356,7 +350,7 @@ def test_run_pooled_episode_contains_an_exception_of_the_episode_and_replaces_it
     )
     assert episode.stop_reason is StopReason.INFRA_ERROR and episode.reward is None
     assert episode.error == "collector bug: RuntimeError: boom" and episode.sample_index == 3
-    assert episode.sandbox_id == "box-1" and released == [("box-1", True)]
+    assert episode.sandbox_id == "box-1" and pool.released == [("box-1", True)]
 
 
 @pytest.mark.parametrize("error", [OSError("reset op failed"), KeyError("bug")])

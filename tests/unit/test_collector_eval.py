@@ -13,7 +13,7 @@ from sandpiper.collector.chat_policy import ChatEndpoint, ChatPolicy
 from sandpiper.collector.tasks import Task
 from sandpiper.errors import TaskError
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
-from sandpiper.testing import FAKE_TOOL_SCHEMAS, FakeToolbox, scripted_sandbox
+from sandpiper.testing import FAKE_TOOL_SCHEMAS, FakePool, FakeToolbox, scripted_sandbox
 
 TASK = Task("t", "6*7?", {"reward": "math", "answer": "42"}, "unit", "jsonl_math")
 
@@ -130,19 +130,6 @@ def test_eval_refuses_tools_that_were_not_offered():
     assert episode.reward == 1.0
 
 
-class _Pool:
-    def __init__(self, fail: Exception | None = None) -> None:
-        self.fail, self.released = fail, []
-
-    async def acquire(self, *, episode_id, task_id, image=None):
-        if self.fail is not None:
-            raise self.fail
-        return scripted_sandbox()
-
-    async def release(self, sandbox, *, broken=False):
-        self.released.append(broken)
-
-
 def test_a_broken_task_is_one_invalid_episode_not_an_abort(tmp_path):
     """Missing image, failing setup.sh and a missing test script: each one invalid episode."""
     endpoint, _ = _endpoint([{"role": "assistant", "content": "done"}] * 3)
@@ -156,15 +143,15 @@ def test_a_broken_task_is_one_invalid_episode_not_an_abort(tmp_path):
             )
         )  # fmt: skip
 
-    missing_image = run(TASK, _Pool(TaskError("the task's image 'x' does not exist")))
+    missing_image = run(TASK, FakePool(TaskError("the task's image 'x' does not exist")))
     assert missing_image.stop_reason is StopReason.TASK_ERROR and not missing_image.valid
     assert missing_image.reward is None and "image" in missing_image.error
     (tmp_path / "tests").mkdir()
     no_script = Task("n", "q", {"reward": "tests"}, "u", "folder", data_dir=tmp_path)
-    pool = _Pool()
+    pool = FakePool()
     episode = run(no_script, pool)
     assert episode.stop_reason is StopReason.TASK_ERROR and "tests/run.sh" in episode.error
-    assert episode.reward is None and pool.released == [False]
+    assert episode.reward is None and [broken for _, broken in pool.released] == [False]
 
 
 def test_token_budget_and_context_limit_end_the_episode_as_in_training():

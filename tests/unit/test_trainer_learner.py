@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fixtures.learner import MemoryStore, make_config, sample_group
+from sandpiper.testing import MemoryStore
+from tests.fixtures.learner import make_config, sample_group
 
 pytestmark = pytest.mark.slow  # DeepSpeed engines in-process (~10 s each on 2 cores)
 
