@@ -215,6 +215,7 @@ def tables_to_group(tables: dict[str, pa.Table], *, slot_lease: int | None) -> G
     for i, t in enumerate(cols):
         n = int(lengths[i])
         lp = logprobs[lp_at[i] : lp_at[i + 1]] if has_lp[i] else None
+        versions: np.ndarray | None
         if t["policy_version"] is not None:
             versions = arrow_io.expand_versions(t["policy_version"], t["policy_version_changes"], n)
         else:  # no version: nothing sampled (or an empty sampled turn)
@@ -280,6 +281,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "bytearray"): bytearray,
+    ("_codecs", "encode"): __import__("codecs").encode,  # bytes in protocol 2 (numpy data)
 }
 _NUMPY_HELPERS = {"_reconstruct", "_frombuffer", "scalar"}
 
