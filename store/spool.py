@@ -38,11 +38,12 @@ a file dropped into the spool cannot run code. New files are never pickles.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import io
 import json
 import pickle
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta, timezone
 from typing import Any
 
 import numpy as np
@@ -273,15 +274,15 @@ _RECORD_MODULES = {"sandpiper.store.records", "store.records"}
 ``sandpiper`` (commit 8007c1f)."""
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("datetime", "datetime"): datetime,
-    ("datetime", "timedelta"): __import__("datetime").timedelta,
-    ("datetime", "timezone"): __import__("datetime").timezone,
-    ("datetime", "date"): __import__("datetime").date,
+    ("datetime", "timedelta"): timedelta,
+    ("datetime", "timezone"): timezone,
+    ("datetime", "date"): date,
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "bytearray"): bytearray,
-    ("_codecs", "encode"): __import__("codecs").encode,  # bytes in protocol 2 (numpy data)
+    ("_codecs", "encode"): codecs.encode,  # bytes in protocol 2 (numpy data)
 }
 _NUMPY_HELPERS = {"_reconstruct", "_frombuffer", "scalar"}
 
@@ -298,8 +299,11 @@ class _SpoolUnpickler(pickle.Unpickler):
                 return cls
         if module.startswith(("numpy._core.", "numpy.core.")) and name in _NUMPY_HELPERS:
             sub = module.split(".", 2)[2]
-            if sub in ("multiarray", "numeric"):
-                return super().find_class(f"numpy._core.{sub}", name)
+            if sub in ("multiarray", "numeric"):  # numpy 2 names it _core, numpy 1 core
+                try:
+                    return super().find_class(f"numpy._core.{sub}", name)
+                except ImportError:
+                    return super().find_class(f"numpy.core.{sub}", name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a spool file")
 
 
@@ -322,4 +326,9 @@ def load_legacy(data: bytes) -> GroupRecord:
         raise SpoolFormatError(f"unreadable pickled spool file: {e!r}") from e
     if not isinstance(group, GroupRecord):
         raise SpoolFormatError(f"pickled spool file holds a {type(group).__name__}")
-    return upgraded(group)
+    group = upgraded(group)
+    try:  # a pickle's fields may hold anything; the store's conversion must take them
+        arrow_io.convert_groups([group], records.utcnow())
+    except Exception as e:
+        raise SpoolFormatError(f"pickled group {group.group_id!r} cannot be stored: {e!r}") from e
+    return group

@@ -394,6 +394,8 @@ def test_unreadable_spool_files_are_quarantined_not_fatal(store, tmp_path, caplo
     pickled = pickle.dumps(make_group("g-trunc-pickle"), protocol=pickle.HIGHEST_PROTOCOL)
     (spool_dir / "f-truncated-pickle.group").write_bytes(pickled[:-100])
     (spool_dir / "g-not-a-group.group").write_bytes(pickle.dumps({"group_id": "x"}))
+    junk = dataclasses.replace(make_group("g-junk"), episodes=("not an episode",))
+    (spool_dir / "h-junk-fields.group").write_bytes(pickle.dumps(junk))
     (spool_dir / f"{_name('g-ok')}.group").write_bytes(good)
     monkeypatch.chdir(tmp_path)
     with (
@@ -404,7 +406,7 @@ def test_unreadable_spool_files_are_quarantined_not_fatal(store, tmp_path, caplo
         w.flush(timeout_s=30)
     assert not (tmp_path / "pwned").exists()
     assert w.committed_groups == 1
-    assert w.unreadable_files == 7 and w.rejected_groups == 7
+    assert w.unreadable_files == 8 and w.rejected_groups == 8
     assert store.group_ids("run") == ["g-ok"]
     assert not list(spool_dir.glob("*.group"))
     assert sorted(p.name for p in (spool_dir / "rejected").iterdir()) == [
@@ -415,9 +417,10 @@ def test_unreadable_spool_files_are_quarantined_not_fatal(store, tmp_path, caplo
         "e-evil.group",
         "f-truncated-pickle.group",
         "g-not-a-group.group",
+        "h-junk-fields.group",
     ]
     lines = [r.getMessage() for r in caplog.records if "UNREADABLE" in r.getMessage()]
-    assert len(lines) == 7
+    assert len(lines) == 8
     assert any("spool format b'99', this release reads '1'" in m for m in lines)
     assert any("posix.system is not allowed" in m or "os.system" in m for m in lines)
 
