@@ -439,3 +439,39 @@ def test_a_leftover_temp_file_is_ignored_and_removed(store, tmp_path) -> None:
     assert not list(spool_dir.glob("*.tmp"))
     assert not (spool_dir / "rejected").exists()
     assert store.group_ids("run") == []
+
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "spool"
+
+
+@pytest.mark.parametrize("release", ["previous-release", "format-1"])
+def test_spool_files_of_earlier_releases_commit(store, tmp_path, release) -> None:
+    """Files written by an earlier release's own code (tests/fixtures/spool/README.md) are
+    committed, whole and exact, by this release's writer, and deleted."""
+    from sandpiper.store.testing import expected_tokens
+
+    run = {"previous-release": "prev", "format-1": "v1"}[release]
+    store.ensure_run(RunRecord(run, "{}", "test"))
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    for f in sorted((FIXTURES / release).glob("*.group")):
+        (spool_dir / f.name).write_bytes(f.read_bytes())
+    with store.writer(spool_dir=str(spool_dir)) as w:
+        assert w.pending() == 2
+        w.flush(timeout_s=30)
+    assert (w.committed_groups, w.rejected_groups) == (2, 0)
+    assert not list(spool_dir.glob("*.group"))
+    assert store.group_ids(run) == [f"{run}/task/0", f"{run}/task/1"]
+    rows = _stored(
+        store,
+        "SELECT e.group_id, e.sample_index, t.turn_index, t.token_ids, t.logprobs, t.trainable, "
+        "e.valid FROM turns t JOIN episodes e USING (episode_id) ORDER BY 1, 2, 3",
+    )
+    assert len(rows) == 2 * 3 + 3 * 2
+    for gid, i, turn, tokens, logprobs, trainable, valid in rows:
+        n = 8 if gid.endswith("/0") else 5
+        assert np.frombuffer(tokens, "<i4").tolist() == expected_tokens(gid, i, turn, n).tolist()
+        assert trainable == (turn % 2 == 1) and (logprobs is not None) == trainable
+        assert valid == (gid.endswith("/0") or i >= 1)
+    ((n_valid,),) = _stored(store, f"SELECT n_valid FROM groups WHERE group_id = '{run}/task/1'")
+    assert n_valid == 2
