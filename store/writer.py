@@ -9,6 +9,10 @@ same spool directory after a crash commits what it finds there; ingest is idempo
 ``group_id``, so a group committed just before the crash (spool file not yet deleted) is
 stored once (reported ``replayed``).
 
+``put`` applies the store's ingest check (:func:`~sandpiper.store.validation.check_group`:
+episodes with unusable sampler output become invalid) before spooling; the checked group is
+what is committed and reported, whether from memory or read back after a restart.
+
 Every group's outcome (:class:`~sandpiper.store.records.WriteOutcome`) is reported back through
 ``on_outcome(group, outcome)`` (called on the writer thread) and counted. A group the store
 refuses — a ``duplicate`` id with other content or a ``superseded`` slot — is logged as an
@@ -43,6 +47,7 @@ from filelock import FileLock, Timeout
 from sandpiper.errors import StoreError
 from sandpiper.store import spool as spool_format
 from sandpiper.store.records import GroupRecord, WriteOutcome
+from sandpiper.store.validation import check_group
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +125,9 @@ class GroupWriter:
         with self._cond:
             if group.group_id in self._pending:
                 return  # already acknowledged and waiting
+        # the store's ingest check first (logged once, here): the group kept for the commit
+        # and for on_outcome is the one spooled, as a restart reads it back
+        group = check_group(group)
         data = spool_format.encode(group)  # raises for a group the store cannot take
         tmp = self.spool / f"{name}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:

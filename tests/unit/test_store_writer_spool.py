@@ -475,3 +475,31 @@ def test_spool_files_of_earlier_releases_commit(store, tmp_path, release) -> Non
         assert valid == (gid.endswith("/0") or i >= 1)
     ((n_valid,),) = _stored(store, f"SELECT n_valid FROM groups WHERE group_id = '{run}/task/1'")
     assert n_valid == 2
+
+
+def test_put_checks_sampler_output_once_and_reports_the_checked_group(store, tmp_path, caplog):
+    g = make_group("g-nan", n_episodes=2, n_turns=2, tokens_per_turn=4)
+    t = g.episodes[0].turns[1]
+    lp = t.logprobs_T.copy()
+    lp[0] = np.nan
+    ep = dataclasses.replace(
+        g.episodes[0], turns=(g.episodes[0].turns[0], dataclasses.replace(t, logprobs_T=lp))
+    )
+    g = dataclasses.replace(g, episodes=(ep, g.episodes[1]))
+    seen: list[GroupRecord] = []
+    with (
+        caplog.at_level(logging.WARNING, logger="sandpiper.store.validation"),
+        store.writer(
+            spool_dir=str(tmp_path / "spool"), on_outcome=lambda x, o: seen.append(x)
+        ) as w,
+    ):
+        w.put(g)
+        w.flush(timeout_s=30)
+    (got,) = seen
+    assert got.episodes[0].stop_reason is StopReason.BAD_SAMPLER_OUTPUT
+    assert not got.episodes[0].valid and got.episodes[1].valid
+    assert len([r for r in caplog.records if "bad sampler output" in r.getMessage()]) == 1
+    ((n_valid, status),) = _stored(
+        store, "SELECT n_valid, status FROM groups JOIN group_states USING (group_id)"
+    )
+    assert (n_valid, status) == (1, "invalid")
