@@ -70,8 +70,8 @@ keep reading the previous one: acknowledged groups must commit after an upgrade)
 COMPRESSION: str | None = None
 """IPC buffer compression of new spool files (``None``, ``"lz4"`` or ``"zstd"``; a reader
 takes any). None, measured with ``bench/spool_bench.py`` (groups of 8 trajectories × 20
-turns × 500 tokens, load ~2, p50 of a durable ``put``): pickle 3.0 ms and 664 kB, IPC 3.6 ms
-(1.2×) and 518 kB (0.78×: the per-token policy versions are a per-turn scalar), lz4 1.3–1.8×
+turns × 500 tokens, load ~1–2, p50 of a durable ``put``): pickle 2.9–3.0 ms and 664 kB, IPC 2.9–3.6 ms
+(1.0–1.3×) and 518 kB (0.78×: the per-token policy versions are a per-turn scalar), lz4 1.3–1.8×
 the pickle's time for 0.41× (``make_group``'s regular tokens) to 0.53× (``--random``) of its
 bytes, zstd 1.5–2.2× for 0.20–0.43×. A spool file lives until the next commit (~1.5 s) and
 the store zstd-compresses what it keeps, so the bytes saved are not worth the time on the
