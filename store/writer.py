@@ -9,23 +9,34 @@ same spool directory after a crash commits what it finds there; ingest is idempo
 ``group_id``, so a group committed just before the crash (spool file not yet deleted) is
 stored once (reported ``replayed``).
 
+``put`` applies the store's ingest check (:func:`~sandpiper.store.validation.check_group`:
+episodes with unusable sampler output become invalid) before spooling; the checked group is
+what is committed and reported, whether from memory or read back after a restart.
+
 Every group's outcome (:class:`~sandpiper.store.records.WriteOutcome`) is reported back through
 ``on_outcome(group, outcome)`` (called on the writer thread) and counted. A group the store
 refuses — a ``duplicate`` id with other content or a ``superseded`` slot — is logged as an
 error, counted in ``rejected_groups`` and moved to ``<spool>/rejected/`` (kept for
 inspection, never retried, never silently dropped).
 
-The spool holds pickles written by this code for this code (local, private directory).
+A spool file (``<sha1 of group_id>.group``) is one Arrow IPC stream holding the rows the
+group becomes in the store's tables, in the store's Arrow schema, with a format version in
+its metadata (:mod:`sandpiper.store.spool` describes the layout). It depends on no Python
+class of this code, so an upgrade can always read what an earlier release acknowledged;
+the previous release's files (pickles of the ``GroupRecord``) are still read, with an
+allow-list of classes. A spool file that cannot be read (truncated, another format version,
+not a spool file) never stops the writer: it is logged as an error, counted in
+``rejected_groups`` and ``unreadable_files`` and moved to ``<spool>/rejected/``. Leftover
+``*.tmp`` files were never acknowledged (``put`` had not returned) and are deleted.
+
 One writer owns a spool directory at a time (a lock file inside it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +45,9 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from sandpiper.errors import StoreError
-from sandpiper.store.records import GroupRecord, GroupSampling, WriteOutcome
+from sandpiper.store import spool as spool_format
+from sandpiper.store.records import GroupRecord, WriteOutcome
+from sandpiper.store.validation import check_group
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +61,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _upgraded(group: GroupRecord) -> GroupRecord:
-    """A group spooled by an earlier release, in this release's types: acknowledged groups
-    must commit after an upgrade (before ``GroupSampling``, ``sampling_params`` was a dict)."""
-    if isinstance(group.sampling_params, dict):
-        return dataclasses.replace(
-            group, sampling_params=GroupSampling.from_json(group.sampling_params)
-        )
-    return group
 
 
 class GroupWriter:
@@ -94,9 +97,16 @@ class GroupWriter:
         self.replayed_groups = 0
         """Groups found already stored with the same episodes (a replayed spool)."""
         self.rejected_groups = 0
-        """Groups the store refused (duplicate id or superseded slot): errors."""
+        """Groups the store refused (duplicate id or superseded slot) and spool files that
+        could not be read (``unreadable_files``): errors, kept in ``<spool>/rejected/``."""
+        self.unreadable_files = 0
+        """Spool files found unreadable at start (also counted in ``rejected_groups``)."""
         for path in sorted(self.spool.glob("*.group")):
-            group = _upgraded(pickle.loads(path.read_bytes()))
+            try:
+                group = spool_format.decode(path.read_bytes())
+            except spool_format.SpoolFormatError as e:
+                self._quarantine_unreadable(path, e)
+                continue
             self._pending[group.group_id] = (group, path)
             self._pending_episodes += len(group.episodes)
         for tmp in self.spool.glob("*.tmp"):
@@ -115,9 +125,13 @@ class GroupWriter:
         with self._cond:
             if group.group_id in self._pending:
                 return  # already acknowledged and waiting
+        # the store's ingest check first (logged once, here): the group kept for the commit
+        # and for on_outcome is the one spooled, as a restart reads it back
+        group = check_group(group)
+        data = spool_format.encode(group)  # raises for a group the store cannot take
         tmp = self.spool / f"{name}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
-            pickle.dump(group, f, protocol=pickle.HIGHEST_PROTOCOL)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
@@ -210,6 +224,16 @@ class GroupWriter:
                         self._pending_episodes -= len(g.episodes)
                         del self._pending[g.group_id]
                 self._cond.notify_all()
+
+    def _quarantine_unreadable(self, path: Path, error: Exception) -> None:
+        """Move a spool file this release cannot read to ``rejected/`` (never retried)."""
+        self.rejected_groups += 1
+        self.unreadable_files += 1
+        rejected = self.spool / "rejected"
+        rejected.mkdir(exist_ok=True)
+        log.error("spool file %s is UNREADABLE (%s); moved to %s", path.name, error, rejected)
+        path.replace(rejected / path.name)
+        _fsync_dir(self.spool)
 
     def _settle(self, group: GroupRecord, path: Path, outcome: WriteOutcome) -> None:
         """Count and report one committed group's outcome; clear (or quarantine) its file."""
