@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sandpiper.store import Store, spool
 from sandpiper.store.records import GroupRecord
-from sandpiper.store.testing import make_group
+from sandpiper.testing import make_group
 
 GROUP_SIZE = 8
 

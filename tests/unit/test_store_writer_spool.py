@@ -34,8 +34,8 @@ from sandpiper.store.records import (
     TurnRecord,
     WriteOutcome,
 )
-from sandpiper.store.testing import make_group
 from sandpiper.store.validation import check_group
+from sandpiper.testing import make_group
 
 pytestmark = pytest.mark.timeout(120)  # a group that cannot commit keeps a writer retrying
 
@@ -448,7 +448,7 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "spool"
 def test_spool_files_of_earlier_releases_commit(store, tmp_path, release) -> None:
     """Files written by an earlier release's own code (tests/fixtures/spool/README.md) are
     committed, whole and exact, by this release's writer, and deleted."""
-    from sandpiper.store.testing import expected_tokens
+    from sandpiper.testing import expected_tokens
 
     run = {"previous-release": "prev", "format-1": "v1"}[release]
     store.ensure_run(RunRecord(run, "{}", "test"))
