@@ -374,7 +374,14 @@ class Collector:
                 collector_id=self.collector_id,
                 slot_lease=lease.lease,
             )
-            await asyncio.to_thread(self.writer.put, group)  # acknowledged: durable in the spool
+            try:
+                await asyncio.to_thread(self.writer.put, group)  # acknowledged: in the spool
+            except StoreError as e:  # a group the store cannot take (a collector bug): logged
+                log.error("group %s NOT stored: %s", group.group_id, e)  # and counted, no crash
+                self.metrics.groups_rejected += 1
+                if split is Split.VALIDATION:
+                    self._validation_left -= 1
+                return
         except BaseException:
             if split is Split.VALIDATION:
                 self._validation_left -= 1

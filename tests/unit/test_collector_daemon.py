@@ -11,6 +11,7 @@ from sandpiper.collector.daemon import Collector
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import Task
 from sandpiper.config import RunConfig
+from sandpiper.errors import StoreError
 from sandpiper.store.collectors import task_rank
 from sandpiper.store.records import GroupStatus, PolicyRecord, Split, WriteOutcome
 from sandpiper.testing import (
@@ -99,6 +100,27 @@ def test_only_groups_the_store_reports_stored_count_as_done(tiny_tokenizer, tmp_
     metrics = asyncio.run(_run(collector))
     assert metrics.groups_total == 1 and metrics.groups_rejected == 1
     assert metrics.snapshot()["groups_rejected"] == 1
+
+
+def test_a_group_the_store_cannot_take_is_logged_and_counted_not_a_crash(
+    tiny_tokenizer, tmp_path, caplog
+):
+    """``put`` refuses a group the store could never ingest (a collector bug: a trainable turn
+    without logprobs); the daemon logs it, counts it and goes on collecting."""
+    collector, _, writer, _ = _collector(tiny_tokenizer, tmp_path, _config(max_groups=3))
+    real_put, calls = writer.put, []
+
+    def put(group):
+        calls.append(group.group_id)
+        if len(calls) == 1:
+            raise StoreError(f"{group.group_id}/e turn 1: trainable without logprobs_T")
+        return real_put(group)
+
+    writer.put = put
+    with caplog.at_level("ERROR", logger="sandpiper.collector.daemon"):
+        metrics = asyncio.run(_run(collector))
+    assert metrics.groups_rejected == 1 and metrics.groups_total >= 2
+    assert f"group {calls[0]} NOT stored" in caplog.text
 
 
 def test_slots_freed_by_a_dead_collector_are_collected_first(tiny_tokenizer, tmp_path):
