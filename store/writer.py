@@ -111,6 +111,7 @@ class GroupWriter:
             self._pending_episodes += len(group.episodes)
         for tmp in self.spool.glob("*.tmp"):
             tmp.unlink()  # never acknowledged: put() had not returned
+        spool_format.warm_up()  # before the first put() (see its docstring)
         self._thread = threading.Thread(target=self._run, name="store-writer", daemon=True)
         self._thread.start()
 

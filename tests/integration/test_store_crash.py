@@ -45,14 +45,20 @@ def _run_and_kill(url: str, spool: str, prefix: str, delay_s: float) -> list[str
         stdout=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
     acked: list[str] = []
+    ready = threading.Event()
 
     def read() -> None:
         for line in proc.stdout:
             if line.startswith("ack "):
                 acked.append(line.split()[1])
+            elif line.startswith("ready"):
+                ready.set()
 
     reader = threading.Thread(target=read)
     reader.start()
+    # the kill comes delay_s into the writing, not into the interpreter's start-up (imports
+    # take from 0.5 to several seconds on a loaded 2-core machine)
+    ready.wait(timeout=120)
     time.sleep(delay_s)
     proc.kill()  # SIGKILL
     proc.wait()
