@@ -51,27 +51,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sandpiper.store import Store, spool
 from sandpiper.store.records import GroupRecord
+from sandpiper.store.writer import write_durably
 from sandpiper.testing import make_group
 
 GROUP_SIZE = 8
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _durable_write(folder: Path, name: str, data) -> None:
-    tmp = folder / f"{name}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(folder / f"{name}.group")
-    _fsync_dir(folder)
+    write_durably(folder / f"{name}.group", data, tmp=folder / f"{name}.tmp")  # as put() does
 
 
 def _formats() -> dict[str, Callable[[GroupRecord], bytes]]:

@@ -118,11 +118,18 @@ def warm_up() -> None:
 
 
 def encode(group: GroupRecord, *, compression: str | None = COMPRESSION) -> pa.Buffer:
-    """The spool file of ``group`` (bytes to write); raises :class:`StoreError` for a group
-    the store could not ingest (a trainable turn without logprobs, arrays of wrong length)."""
+    """The spool file of ``group`` after the store's ingest check (bytes to write); raises
+    :class:`StoreError` for a group the store could not ingest (a trainable turn without
+    logprobs, arrays of wrong length)."""
     from sandpiper.store.validation import check_group
 
-    tables, _ = arrow_io.convert_groups([check_group(group)], records.utcnow())
+    return encode_checked(check_group(group), compression=compression)
+
+
+def encode_checked(group: GroupRecord, *, compression: str | None = COMPRESSION) -> pa.Buffer:
+    """:func:`encode` of a group :func:`~sandpiper.store.validation.check_group` already
+    returned (the writer's ``put`` checks once and keeps the checked group)."""
+    tables, _ = arrow_io.convert_groups([group], records.utcnow())
     columns = [_as_list_column(tables[name]) for name in TABLES]
     meta = {
         KEY_FORMAT: FORMAT_VERSION.encode(),

@@ -79,11 +79,6 @@ class StepMetrics:
     tokens_per_s: float | None = _metric("perf/tokens_per_s")
 
     @staticmethod
-    def keys() -> dict[str, str]:
-        """Stored key -> field name, for every metric but ``staleness/lag_<k>``."""
-        return _KEYS
-
-    @staticmethod
     def view_columns() -> dict[str, str]:
         """Column of the ``importance_weights`` view -> stored key, in field order."""
         return {

@@ -63,6 +63,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_durably(path: Path, data: bytes | memoryview, *, tmp: Path) -> None:
+    """Write ``data`` to ``tmp``, fsync it, rename it to ``path`` and fsync the folder: once
+    this returns, ``path`` holds ``data`` whatever crash follows (what ``put`` acknowledges)."""
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
 class GroupWriter:
     """Durable, batched, idempotent group writer (see module docstring). A context manager."""
 
@@ -129,14 +140,8 @@ class GroupWriter:
         # the store's ingest check first (logged once, here): the group kept for the commit
         # and for on_outcome is the one spooled, as a restart reads it back
         group = check_group(group)
-        data = spool_format.encode(group)  # raises for a group the store cannot take
-        tmp = self.spool / f"{name}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-        _fsync_dir(self.spool)
+        data = spool_format.encode_checked(group)  # raises for a group the store cannot take
+        write_durably(path, data, tmp=self.spool / f"{name}.{threading.get_ident()}.tmp")
         with self._cond:
             self._pending[group.group_id] = (group, path)
             self._pending_episodes += len(group.episodes)
@@ -228,13 +233,19 @@ class GroupWriter:
 
     def _quarantine_unreadable(self, path: Path, error: Exception) -> None:
         """Move a spool file this release cannot read to ``rejected/`` (never retried)."""
-        self.rejected_groups += 1
         self.unreadable_files += 1
+        rejected = self._reject(path)
+        log.error("spool file %s is UNREADABLE (%s); moved to %s", path.name, error, rejected)
+        _fsync_dir(self.spool)
+
+    def _reject(self, path: Path) -> Path:
+        """Count a rejected group and keep its spool file in ``rejected/`` (never retried)."""
+        self.rejected_groups += 1
         rejected = self.spool / "rejected"
         rejected.mkdir(exist_ok=True)
-        log.error("spool file %s is UNREADABLE (%s); moved to %s", path.name, error, rejected)
-        path.replace(rejected / path.name)
-        _fsync_dir(self.spool)
+        if path.exists():
+            path.replace(rejected / path.name)
+        return rejected
 
     def _settle(self, group: GroupRecord, path: Path, outcome: WriteOutcome) -> None:
         """Count and report one committed group's outcome; clear (or quarantine) its file."""
@@ -243,14 +254,10 @@ class GroupWriter:
         elif outcome is WriteOutcome.REPLAYED:
             self.replayed_groups += 1
         else:
-            self.rejected_groups += 1
-            rejected = self.spool / "rejected"
-            rejected.mkdir(exist_ok=True)
+            rejected = self._reject(path)
             log.error(
                 "group %s REFUSED by the store (%s); kept in %s", group.group_id, outcome, rejected
             )
-            if path.exists():
-                path.replace(rejected / path.name)
         path.unlink(missing_ok=True)
         if self.on_outcome is not None:
             try:
