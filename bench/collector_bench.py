@@ -89,6 +89,9 @@ class BusyClient:
     def policy_version(self) -> int:
         return self.inner.policy_version
 
+    async def reload(self, checkpoint_dir: str, version: int) -> None:
+        await self.inner.reload(checkpoint_dir, version)
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if self.outstanding == 0:
             self._since = time.perf_counter()
@@ -218,7 +221,7 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
     store = MemoryStore()
     collector = Collector(
         config,
-        client=client,  # type: ignore[arg-type]
+        client=client,
         renderer=ChatRenderer(tokenizer, TOOL_SCHEMAS, action_format=args.action_format),
         store=store,
         writer=store,

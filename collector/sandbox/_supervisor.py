@@ -1,7 +1,9 @@
 """The persistent shell that runs INSIDE each sandbox container (python3 stdlib only).
 
-The host starts it once per container with ``podman exec -i CID python3 supervisor.py`` and
-talks to it over stdin/stdout with framed messages: one JSON header line, then exactly
+The host starts it once per container with ``podman exec -i CID python3 supervisor.py
+--listen SOCKET`` and talks to it over that Unix socket (bind-mounted from the host, see
+:func:`listen`; without ``--listen``, over stdin/stdout) with framed messages: one JSON
+header line, then exactly
 ``len`` raw bytes of payload (binary-safe, so files of any content and size round-trip
 byte-exact). Replies use the same framing; the reply header is the end marker and carries
 the exit status.
@@ -33,8 +35,10 @@ This file must not import anything from the project: the container has only pyth
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -72,15 +76,15 @@ BASE_ENV = {
     "PYTHONUNBUFFERED": "1",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
-# Runs before the command inside bash: state is reported on the state pipe at exit (builtins only, no
-# fork); the command's processes volunteer to be the OOM killer's first choice.
+# Runs before the command inside bash: state is reported on the state pipe at exit (the
+# working directory, then ``declare -px``: builtins only, no fork; a ``$(compgen -e)`` loop
+# cost 0.6 ms of CPU per command, half of what bash itself costs); the command's processes
+# volunteer to be the OOM killer's first choice.
 PRELUDE = r"""
 echo 1000 > /proc/self/oom_score_adj 2>/dev/null
 __sp_report() {
   __sp_rc=$?
-  { printf '%s\0' "$PWD"; for __sp_v in $(compgen -e); do
-      case $__sp_v in __sp_*) ;; *) printf '%s=%s\0' "$__sp_v" "${!__sp_v}";; esac
-    done; } >&"$__sp_fd" 2>/dev/null
+  { builtin printf '%s\0' "$PWD"; builtin declare -px; } >&"$__sp_fd" 2>/dev/null
   exit $__sp_rc
 }
 trap __sp_report EXIT
@@ -88,12 +92,52 @@ set -a
 __sp_fd=$1; __sp_cmd=$2; shift 2
 eval "$__sp_cmd"
 """
+_DECLARED = re.compile(
+    rb"declare -[a-zA-Z]+ ([A-Za-z_][A-Za-z0-9_]*)"
+    rb"""(?:=("(?:[^"\\]|\\.)*"|\$'(?:[^'\\]|\\.)*'))?""",
+    re.S,
+)
+"""One line of bash's ``declare -px`` for a scalar: a name, then its value double-quoted
+(``\\`` before ``"``, ``\\``, ``$`` and a backquote) or, when it holds a byte the locale
+cannot print (a newline always), ANSI-C quoted (``$'...'``), so a value never spans lines;
+an exported variable without a value has no ``=``. Arrays (``=(...)``) are never passed to a
+program's environment and are skipped."""
+_ANSI_C = {
+    b"a": b"\a", b"b": b"\b", b"e": b"\x1b", b"E": b"\x1b", b"f": b"\f", b"n": b"\n",
+    b"r": b"\r", b"t": b"\t", b"v": b"\v",
+}  # fmt: skip
+
+
+def _ansi_c_escape(m: "re.Match[bytes]") -> bytes:
+    code = m.group(1)
+    if code[:1] in b"01234567":
+        return bytes([int(code, 8) & 0xFF])
+    if code[:1] == b"x":
+        return bytes([int(code[1:], 16)])
+    return _ANSI_C.get(code, code)  # \\ \' \" and anything else: the character itself
+
+
+def declared_value(quoted: bytes) -> bytes:
+    """The bytes of one value as ``declare -p`` quoted it."""
+    if quoted.startswith(b"$'"):
+        return re.sub(rb"\\([0-7]{1,3}|x[0-9A-Fa-f]{1,2}|.)", _ansi_c_escape, quoted[2:-1],
+                      flags=re.S)  # fmt: skip
+    return re.sub(rb'\\([\\"$`])', rb"\1", quoted[1:-1])
+
+
 MAX_TREE_ENTRIES = 5000
 MAX_TREE_BYTES = 256 * 1024
 """A folder listing stops here too: the reply header is one line the host reads bounded."""
 """A directory view lists at most this many paths (the reply stays small)."""
 MAX_SCAN_BYTES = 1 << 30
 """A line-range read scans at most this much of a file (any real file on the tmpfs fits)."""
+ACCEPT_TIMEOUT_S = 60.0
+"""How long a ``--listen`` shell waits for the host to connect before it exits."""
+QUIET_START_S = 0.02
+"""How long a command runs before its pipes are read as it writes (see :func:`_pump`)."""
+PIPE_BYTES = 1 << 20
+"""Pipe size asked for a command's stdout, stderr and state report (the kernel's default
+``pipe-max-size``); a quick command's output waits there until it exits."""
 DRAIN_AFTER_EXIT_S = 0.05
 """How long to keep reading pipes held open by background processes after the command."""
 _TOOLS: dict[str, str] = {}
@@ -234,15 +278,18 @@ def reap() -> None:
 
 
 def parse_state(blob: bytes, state: State) -> None:
-    items = blob.split(b"\0")
-    if len(items) < 2:
-        return  # killed before reporting: keep the previous state
-    state.cwd = items[0].decode("utf-8", "surrogateescape")
+    cwd, sep, declared = blob.partition(b"\0")
+    if not sep or declared[-1:] not in (b"", b"\n"):
+        return  # killed before (or while) reporting: keep the previous state
     env = {}
-    for item in items[1:]:
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+    for line in declared[:-1].split(b"\n") if declared else ():
+        m = _DECLARED.fullmatch(line)
+        if m is None:
+            continue  # an array
+        name, quoted = m.groups()
+        if quoted is not None and not name.startswith(b"__sp_"):
+            env[name.decode()] = declared_value(quoted).decode("utf-8", "surrogateescape")
+    state.cwd = cwd.decode("utf-8", "surrogateescape")
     state.env = env
 
 
@@ -259,12 +306,16 @@ def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGEN
     oom_before = oom_kills()
     started = time.monotonic()
     out, err, state_blob = Capper(cap), Capper(cap), bytearray()
+    (out_r, out_w), (err_r, err_w) = pipe(), pipe()
+    sinks = [(out_r, out), (err_r, err)]
+    if state_r is not None:
+        sinks.append((state_r, state_blob))
     try:
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=out_w,
+            stderr=err_w,
             cwd=cwd,
             env=env,
             pass_fds=pass_fds,
@@ -272,17 +323,14 @@ def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGEN
             **ids,
         )
     except OSError as e:
-        for fd in (*pass_fds, state_r):
-            if fd is not None:
-                os.close(fd)
+        for fd in (*pass_fds, out_w, err_w, *(fd for fd, _ in sinks)):
+            os.close(fd)
         err.feed(f"could not start the command: {e}".encode())
         header = {"exit_code": None, "outcome": "ok", "duration_ms": 0.0, "spawn_error": True}
         return header, out, err, state_blob
-    for fd in pass_fds:
+    for fd in (*pass_fds, out_w, err_w):
         os.close(fd)
-    timed_out = _pump(proc, state_r, out, err, state_blob, started + timeout_s)
-    if state_r is not None:
-        os.close(state_r)
+    timed_out = _pump(proc, sinks, started, started + timeout_s)
     duration_ms = (time.monotonic() - started) * 1000
     rc = proc.returncode
     outcome = "ok"
@@ -305,7 +353,7 @@ def run_command(state: State, req: dict) -> tuple[dict, bytes]:
     env = dict(BASE_ENV) if clean else dict(state.env)
     overrides = req.get("env") or {}
     env.update(overrides)
-    state_r, state_w = os.pipe()
+    state_r, state_w = pipe()
     # by absolute path: Popen looks argv[0] up in the command's PATH, which the agent sets
     # (``export PATH=/nowhere`` must not leave every later command unable to start)
     argv = [_tool("bash"), "-c", PRELUDE, "bash", str(state_w), req["command"]]
@@ -329,53 +377,77 @@ def run_command(state: State, req: dict) -> tuple[dict, bytes]:
     return _exec_reply(header, out, err)
 
 
-def _fed(capper: Capper, data: bytes) -> Capper:
-    capper.feed(data)
-    return capper
+def pipe() -> tuple[int, int]:
+    """A pipe holding up to ``PIPE_BYTES`` (best effort; 64 KiB where the kernel refuses)."""
+    r, w = os.pipe()
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    return r, w
 
 
-def _pump(proc, state_r, out, err, state_blob, deadline) -> bool:
-    """Read the command's pipes until it exits; at ``deadline`` SIGKILL its process group.
-    True when it timed out."""
+def _drain(fd: int, sink) -> bool:
+    """Read what ``fd`` holds now (it is non-blocking) into ``sink``; True at end-of-file."""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            return True
+        if isinstance(sink, bytearray):
+            sink.extend(chunk)
+        else:
+            sink.feed(chunk)
+
+
+def _pump(proc, sinks, started, deadline) -> bool:
+    """Read the command's pipes (``(fd, sink)`` pairs, closed here) until it exits; at
+    ``deadline`` SIGKILL its process group. True when it timed out.
+
+    For ``QUIET_START_S`` only the command's exit wakes this shell: what it writes meanwhile
+    waits in the pipes (``PIPE_BYTES`` each). A quick command thus costs one wake-up, where
+    watching the pipes from the start cost one per write (bash's ``declare -px`` writes a
+    line at a time: 10-20 wake-ups for ``true``, each a trip through the run queue of a
+    busy host). A command that outlives it is read as it writes, as before."""
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ, out)
-    sel.register(proc.stderr, selectors.EVENT_READ, err)
-    if state_r is not None:
-        sel.register(state_r, selectors.EVENT_READ, state_blob)
     pidfd = os.pidfd_open(proc.pid)
     sel.register(pidfd, selectors.EVENT_READ, None)
+    for fd, _ in sinks:
+        os.set_blocking(fd, False)
+    watch_from = started + QUIET_START_S
+    watching = False
     timed_out = False
     exited_at = None
     try:
-        while len(sel.get_map()) > 1 or exited_at is None:
+        while True:
             now = time.monotonic()
             if exited_at is None and now >= deadline:
                 _killpg(proc.pid)  # the whole group, as timeout(1) did (watchdog level 1)
                 timed_out = True
-            wait = 0.5 if timed_out else min(deadline - now, 0.5)
+            if not watching and (exited_at is not None or now >= watch_from):
+                for fd, sink in sinks:
+                    sel.register(fd, selectors.EVENT_READ, sink)
+                watching = True
             if exited_at is not None:
                 wait = exited_at + DRAIN_AFTER_EXIT_S - now
-                if wait <= 0:
+                if not sel.get_map() or wait <= 0:
                     break
+            else:
+                wait = 0.5 if timed_out else min(deadline - now, 0.5)
+                if not watching:
+                    wait = min(wait, watch_from - now)
             for key, _ in sel.select(timeout=max(wait, 0.0)):
                 if key.data is None:
                     proc.wait()
                     exited_at = time.monotonic()
                     sel.unregister(key.fileobj)
-                    continue
-                fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
-                chunk = os.read(fd, 65536)
-                if not chunk:
+                elif _drain(key.fd, key.data):
                     sel.unregister(key.fileobj)
-                elif isinstance(key.data, bytearray):
-                    key.data.extend(chunk)
-                else:
-                    key.data.feed(chunk)
     finally:
         sel.close()
         os.close(pidfd)
-        proc.stdout.close()
-        proc.stderr.close()
+        for fd, _ in sinks:
+            os.close(fd)
     if proc.returncode is None:
         proc.wait()
     return timed_out
@@ -758,6 +830,48 @@ def drop_bounding_set() -> None:
             raise OSError(err, f"could not drop capability {cap} from the bounding set")
 
 
+def listen(path: str):
+    """Serve the host over a Unix socket at ``path`` instead of this process's stdio.
+
+    The socket lies in a folder bind-mounted from the host (``podman.socket_dir``), owned by
+    container root with mode 0700: no agent uid can reach it. ``ready`` is announced on
+    stdout (the ``podman exec`` pipe, unused after that) once the socket listens; the first
+    peer from OUTSIDE this container is served (``SO_PEERCRED`` reports pid 0 for a process
+    of another pid namespace, the host's collector), and the socket file is unlinked at once,
+    so nothing can connect later. Why: every request and reply over ``podman exec``'s stdio
+    crossed two relay processes (the podman client and conmon) each way: four extra
+    wake-ups per command, which under saturation each wait on a run queue (see
+    bench/sandbox_bench.py). Returns the connection's (reader, writer) files."""
+    import socket
+    import struct
+
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    os.chmod(path, 0o600)
+    server.listen(4)
+    server.settimeout(ACCEPT_TIMEOUT_S)
+    sys.stdout.buffer.write(
+        json.dumps({"ready": True, "pid": os.getpid(), "socket": path}).encode() + b"\n"
+    )
+    sys.stdout.buffer.flush()
+    while True:
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            sys.exit(1)  # the host never came: nothing to serve
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        peer_pid = struct.unpack("3i", creds)[0]
+        if peer_pid == 0 or not PRIVILEGED:
+            break
+        conn.close()  # a process of this container (it could not reach the folder anyway)
+    os.unlink(path)
+    server.close()
+    conn.settimeout(None)
+    return conn.makefile("rb"), conn.makefile("wb")
+
+
 def main() -> None:
     global PRIVILEGED, _LIBC
     if "--takeover" in sys.argv:  # a previous shell may be hung: make room
@@ -770,10 +884,13 @@ def main() -> None:
     if PRIVILEGED:
         os.setgroups([])  # no supplementary groups reach the agent-facing file operations
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     state = State()
-    stdout.write(json.dumps({"ready": True, "pid": os.getpid()}).encode() + b"\n")
-    stdout.flush()
+    if "--listen" in sys.argv:
+        stdin, stdout = listen(sys.argv[sys.argv.index("--listen") + 1])
+    else:
+        stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+        stdout.write(json.dumps({"ready": True, "pid": os.getpid()}).encode() + b"\n")
+        stdout.flush()
     while True:
         line = stdin.readline()
         if not line:

@@ -3,8 +3,10 @@
 Driven through the podman CLI from asyncio. Each container runs catatonit (bind-mounted from
 the host, ``-P``) as pid 1, so init survives ``kill -9 -1``; a persistent shell — the
 stdlib-only ``_supervisor.py``, bind-mounted read-only and started once with
-``podman exec -i`` — runs every command framed (JSON header + raw payload; the reply header is
-the end marker with the exit status). See ``_supervisor.py`` for the state semantics.
+``podman exec -i`` and reached over a Unix socket in a host folder bind-mounted into the
+container (:func:`socket_dir`; the exec's pipes only announce it) — runs every command
+framed (JSON header + raw payload; the reply header is the end marker with the exit status).
+See ``_supervisor.py`` for the state semantics.
 
 Watchdog ladder when a command overruns:
 1. inside: the shell SIGKILLs the command's process group at the deadline;
@@ -27,6 +29,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import tarfile
 import tempfile
 import time
@@ -61,6 +64,9 @@ IPC_SYSCTLS = {
     "kernel.msgmni": 64,  # message queues (each at most msgmnb = 16 KiB by default)
 }
 """Per-container (IPC namespace) limits of SysV IPC, set at creation."""
+SOCKET_DIR = "/.sandpiper/sock"
+"""Where a container sees its host folder of :func:`socket_dir` (mode 0700, container root's)."""
+SOCKET_NAME = "s"
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 """Largest reply payload accepted from a shell (a file read or a tar of a folder)."""
 
@@ -161,18 +167,61 @@ def remove_cgroup_parent(name: str) -> bool:
     return left
 
 
-async def sweep_stale_cgroups() -> int:
-    """Remove the cgroup folders of :func:`cgroup_parent` whose container is gone (removed
-    by ``sandbox gc``, or its conmon outlived ``close``); returns how many. Only empty
-    cgroups can be removed, so a live container's never is."""
-    if not PODMAN_V1_PARENT.is_dir():
-        return 0
-    names = {p.name for p in CGROUP_V1_ROOT.glob("*/sandpiper-*") if p.is_dir()}
-    if not names:
+async def sweep_stale_host_state() -> int:
+    """Remove the cgroup folders of :func:`cgroup_parent` and the socket folders of
+    :func:`socket_dir` whose container is gone (removed by ``sandbox gc``, its collector
+    killed, or its conmon outlived ``close``); returns how many. Only empty cgroups can be
+    removed, so a live container's never is."""
+    names = set()
+    if PODMAN_V1_PARENT.is_dir():
+        names = {p.name for p in CGROUP_V1_ROOT.glob("*/sandpiper-*") if p.is_dir()}
+    if not names and not socket_root().is_dir():
         return 0
     known = set((await run_podman("ps", "-a", "--format", "{{.Names}}")).decode().split())
     stale = sorted(names - known)
-    return sum(not remove_cgroup_parent(name) for name in stale)
+    removed = sum(not remove_cgroup_parent(name) for name in stale)
+    return removed + sweep_stale_socket_dirs(known)
+
+
+def socket_root() -> Path:
+    """The host folder holding one folder per container for its shell's socket."""
+    return Path(tempfile.gettempdir()) / "sandpiper-sockets"
+
+
+def socket_dir(name: str) -> Path:
+    """Container ``name``'s socket folder on the host (a Unix socket path must stay under
+    108 bytes, hence a short fixed root instead of the run's folder)."""
+    return socket_root() / name
+
+
+def make_socket_dir(name: str, uid_base: int | None) -> Path:
+    """Create :func:`socket_dir` owned by the container's root (host uid ``uid_base``), mode
+    0700: its shell can bind there, no agent uid of the container can enter it."""
+    root = socket_root()
+    root.mkdir(mode=0o700, exist_ok=True)
+    path = socket_dir(name)
+    path.mkdir(mode=0o700)
+    if uid_base is not None:
+        os.chown(path, uid_base, uid_base)
+    return path
+
+
+def sweep_stale_socket_dirs(known: set[str]) -> int:
+    """Remove the socket folders of containers not in ``known`` (a crashed collector's),
+    leaving any younger than ``2 × START_TIMEOUT_S``: another collector on this host makes
+    its container's folder before ``podman ps`` lists the container."""
+    root = socket_root()
+    if not root.is_dir():
+        return 0
+    old = time.time() - 2 * START_TIMEOUT_S
+    stale = [
+        p
+        for p in root.iterdir()
+        if p.name.startswith("sandpiper-") and p.name not in known and p.stat().st_mtime < old
+    ]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(stale)
 
 
 def container_argv(
@@ -224,6 +273,8 @@ def container_argv(
         f"{SUPERVISOR_HOST_PATH}:{SUPERVISOR}:ro",
         "--volume",
         f"{GRADER_HOST_PATH}:{GRADER}:ro",
+        "--volume",  # the shell's socket (see _supervisor.listen)
+        f"{socket_dir(name)}:{SOCKET_DIR}:rw",
         "--entrypoint",
         json.dumps([CATATONIT, "-P"]),
         config.image,
@@ -239,6 +290,10 @@ class PodmanSandbox:
         self.name = name
         self.labels = labels
         self._shell: asyncio.subprocess.Process | None = None
+        """The ``podman exec`` running the shell; its pipes only announce it."""
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        """The shell's socket: every request and reply."""
         self._lock = asyncio.Lock()
         self._dead = False
         self._desynced = False
@@ -261,6 +316,7 @@ class PodmanSandbox:
             all_labels["sandpiper.uid_base"] = str(uid_base)
         box = cls(config, name, all_labels)
         try:
+            make_socket_dir(name, uid_base)
             await run_podman(
                 *container_argv(config, name=name, labels=all_labels, uid_base=uid_base)
             )
@@ -287,6 +343,7 @@ class PodmanSandbox:
         except SandboxError as e:  # `sandpiper sandbox gc` will find it (collector label)
             log.warning("could not remove %s: %s", self.name, e)
             return
+        shutil.rmtree(socket_dir(self.name), ignore_errors=True)
         for _ in range(30):  # the container's conmon may outlive its removal for a moment
             if not remove_cgroup_parent(self.name):
                 break
@@ -296,6 +353,7 @@ class PodmanSandbox:
 
     async def _start_shell(self, *, takeover: bool) -> None:
         argv = ["podman", "exec", "-i", self.name, "python3", "-I", SUPERVISOR]
+        argv += ["--listen", f"{SOCKET_DIR}/{SOCKET_NAME}"]
         if takeover:
             argv.append("--takeover")
         self._shell = await asyncio.create_subprocess_exec(
@@ -314,8 +372,23 @@ class PodmanSandbox:
         if not line.startswith(b'{"ready"'):
             await self._kill_shell()
             raise SandboxError(f"the shell of sandbox {self.name} did not start")
+        try:
+            self._reader, self._writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(
+                    str(socket_dir(self.name) / SOCKET_NAME), limit=1 << 20
+                ),
+                START_TIMEOUT_S,
+            )
+        except (OSError, TimeoutError) as e:
+            await self._kill_shell()
+            raise SandboxError(f"could not reach the shell of sandbox {self.name}: {e}") from e
 
     async def _kill_shell(self) -> None:
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()  # the shell reads end-of-file and exits
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
         shell, self._shell = self._shell, None
         if shell is None:
             return
@@ -337,25 +410,26 @@ class PodmanSandbox:
         """
         if self._desynced and not await self._recover():
             raise ConnectionError("the sandbox shell could not be restarted")
-        shell = self._shell
+        shell, reader, writer = self._shell, self._reader, self._writer
         if shell is None or shell.returncode is not None or self._dead:
             raise ConnectionError("the sandbox shell is not running")
-        assert shell.stdin is not None and shell.stdout is not None
+        if reader is None or writer is None:
+            raise ConnectionError("the sandbox shell is not connected")
         req["len"] = len(payload)
         self._desynced = True  # until the whole reply has been read
         try:
-            shell.stdin.write(json.dumps(req).encode() + b"\n")
+            writer.write(json.dumps(req).encode() + b"\n")
             if payload:
-                shell.stdin.write(payload)
-            await shell.stdin.drain()
-            line = await asyncio.wait_for(shell.stdout.readline(), timeout_s)
+                writer.write(payload)
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), timeout_s)
             if not line:
                 raise ConnectionError("the sandbox shell exited")
             header = json.loads(line)
             size = int(header.get("len", 0))
             if size > MAX_FRAME_BYTES:
                 raise ConnectionError(f"reply of {size} bytes exceeds the frame limit")
-            data = await asyncio.wait_for(shell.stdout.readexactly(size), timeout_s)
+            data = await asyncio.wait_for(reader.readexactly(size), timeout_s)
         except (BrokenPipeError, ConnectionResetError, asyncio.IncompleteReadError) as e:
             raise ConnectionError(f"the sandbox shell went away: {e}") from e
         except (ValueError, asyncio.LimitOverrunError) as e:

@@ -40,7 +40,7 @@ from sandpiper.collector.sandbox.containers import (  # noqa: F401 (REGISTRY_DIR
     remove_registry,
     write_registry,
 )
-from sandpiper.collector.sandbox.podman import PodmanSandbox, collector_id, sweep_stale_cgroups
+from sandpiper.collector.sandbox.podman import PodmanSandbox, collector_id, sweep_stale_host_state
 from sandpiper.collector.sandbox.uids import UidSlots
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError
@@ -75,7 +75,7 @@ class SandboxPool:
 
         self._uids = UidSlots.for_host(self.config)
         await ensure_limits_enforced(self.config)
-        await sweep_stale_cgroups()
+        await sweep_stale_host_state()
         REGISTRY_DIR.mkdir(parents=True, exist_ok=True)
         for _ in range(self.config.pool_size):
             self._spawn_start()

@@ -207,3 +207,40 @@ def test_tests_cannot_be_read_before_submit(sandbox_pool, tmp_path: Path):
             assert result.submitted and result.test_reward == 1.0, result
 
     asyncio.run(go())
+
+
+def test_the_supervisors_socket_cannot_be_reached_from_the_agent(sandbox_pool):
+    """The shell is served over a Unix socket in a host folder mounted at
+    ``/.sandpiper/sock``: an agent that could connect there would send the supervisor
+    requests (run as root, write ``/grade``, grade itself). The folder is container root's
+    with mode 0700, the socket file is unlinked once the host is connected, and the shell
+    serves only a peer outside the container's pid namespace."""
+    from sandpiper.collector.sandbox.podman import SOCKET_DIR, socket_dir
+
+    probe = (
+        "import socket\n"
+        f"for path in ('{SOCKET_DIR}/s', '{SOCKET_DIR}'):\n"
+        "    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "    try:\n"
+        "        s.connect(path); print('connected', path)\n"
+        "    except OSError as e:\n"
+        "        print('refused', path, e.errno)\n"
+    )
+
+    async def go():
+        async with sandbox_pool(pool_size=1) as pool:
+            box = await pool.acquire(episode_id="e", task_id="t")
+            r = await box.exec(
+                f"ls -la {SOCKET_DIR}; echo rc=$?; find / -path /proc -prune -o -type s -print 2>/dev/null; "
+                f'python3 -c "$PROBE"',
+                env={"PROBE": probe},
+            )
+            assert "rc=2" in r.stdout and "Permission denied" in r.stderr, r
+            assert "connected" not in r.stdout and r.stdout.count("refused") == 2, r
+            assert "/.sandpiper" not in r.stdout.replace(f"refused {SOCKET_DIR}", ""), r
+            # on the host the folder is empty: the socket was unlinked at connect
+            assert list(socket_dir(box.id).iterdir()) == []
+            assert (await box.exec("echo still served")).stdout == "still served\n"
+            await pool.release(box)
+
+    asyncio.run(go())

@@ -133,3 +133,35 @@ def test_line_range_reads_scan_a_bounded_amount(tmp_path, monkeypatch):
     small.write_bytes(b"a\nb\nc\n")
     req = {"path": str(small), "first": 2, "last": 2, "limit": 100}
     assert _supervisor.read_lines(req) == ({"n_lines": 4, "truncated": False}, b"b\n")
+
+
+def test_listen_serves_one_peer_over_a_unix_socket_and_unlinks_it(tmp_path):
+    """``--listen``: ready on stdout once the socket listens, the same framing over the
+    socket, the socket file gone once the host is connected, and end-of-file ends the
+    shell (the host's ``_kill_shell``)."""
+    import socket
+
+    path = tmp_path / "s"
+    proc = subprocess.Popen([sys.executable, str(SUPERVISOR_HOST_PATH), "--listen", str(path)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["ready"] and ready["socket"] == str(path)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(path))
+        rfile, wfile = conn.makefile("rb"), conn.makefile("wb")
+        req = {"op": "exec", "command": "echo hi; exit 3", "timeout_s": 10, "cap": 100, "len": 0}
+        wfile.write(json.dumps(req).encode() + b"\n")
+        wfile.flush()
+        header = json.loads(rfile.readline())
+        r = _exec_result(header, rfile.read(header["len"]))
+        assert (r.stdout, r.exit_code) == ("hi\n", 3)
+        assert not path.exists()  # nothing else can connect
+        conn.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        assert proc.wait(timeout=10) == 0
+        assert proc.stdout.read() == b""  # the exec pipe carried nothing after ready
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
