@@ -183,16 +183,26 @@ class State:
         self.env = dict(BASE_ENV)
 
 
+def read_small(path: str) -> str:
+    """A small kernel file (``/proc``, cgroup) in three system calls; ``open()`` makes
+    seven (stat, isatty, seek...), and these are read several times per command."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 65536).decode()
+    finally:
+        os.close(fd)
+
+
 def oom_kills() -> int:
-    for path, key in ((OOM_CONTROL, "oom_kill"), (OOM_EVENTS_V2, "oom_kill")):
+    for path in (OOM_CONTROL, OOM_EVENTS_V2):
         try:
-            with open(path) as f:
-                for line in f:
-                    name, _, value = line.partition(" ")
-                    if name == key:
-                        return int(value)
+            text = read_small(path)
         except OSError:
             continue
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
     return -1
 
 
@@ -254,16 +264,14 @@ def sentinel_killed() -> bool:
     if _SENTINEL.poll() is not None:
         return True
     try:
-        with open(f"/proc/{_SENTINEL.pid}/stat") as f:
-            flags = int(f.read().rpartition(")")[2].split()[6])
+        flags = int(read_small(f"/proc/{_SENTINEL.pid}/stat").rpartition(")")[2].split()[6])
         if flags & PF_EXITING:
             return True
-        with open(f"/proc/{_SENTINEL.pid}/status") as f:
-            for line in f:
-                if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (
-                    1 << (signal.SIGKILL - 1)
-                ):
-                    return True
+        for line in read_small(f"/proc/{_SENTINEL.pid}/status").splitlines():
+            if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (
+                1 << (signal.SIGKILL - 1)
+            ):
+                return True
     except (OSError, ValueError, IndexError):
         return True
     return False
