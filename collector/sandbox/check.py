@@ -266,6 +266,17 @@ async def _logs_off(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
     return CheckResult("container_logs_off", passed, detail[:200])
 
 
+async def _socket_unreachable(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    """The supervisor's socket folder (``podman.SOCKET_DIR``) cannot be entered by the
+    agent, and its socket is gone once the host is connected."""
+    from sandpiper.collector.sandbox.podman import SOCKET_DIR, socket_dir
+
+    r = await box.exec(f"ls -A {SOCKET_DIR} >/dev/null 2>&1 && echo listed || echo refused")
+    left = sorted(p.name for p in socket_dir(box.name).iterdir())
+    passed = r.stdout.strip() == "refused" and not left
+    return CheckResult("supervisor_socket_closed", passed, f"agent: {r.stdout.strip()}; {left}")
+
+
 async def _ipc_capped(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
     """SysV IPC cannot hold more memory than the container's sysctls allow, and a shared
     memory segment goes with its last process (nothing fills memory behind the agent)."""
@@ -290,6 +301,7 @@ CHECKS: list[Check] = [
     _cpu,
     _uid_separation,
     _supervisor_untouchable,
+    _socket_unreachable,
     _grading_isolation,
     _logs_off,
     _ipc_capped,
