@@ -315,7 +315,7 @@ def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGEN
     started = time.monotonic()
     out, err, state_blob = Capper(cap), Capper(cap), bytearray()
     (out_r, out_w), (err_r, err_w) = pipe(), pipe()
-    sinks = [(out_r, out), (err_r, err)]
+    sinks: list[tuple[int, Capper | bytearray]] = [(out_r, out), (err_r, err)]
     if state_r is not None:
         sinks.append((state_r, state_blob))
     try:
