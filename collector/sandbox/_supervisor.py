@@ -394,8 +394,10 @@ def pipe() -> tuple[int, int]:
 
 
 def _drain(fd: int, sink) -> bool:
-    """Read what ``fd`` holds now (it is non-blocking) into ``sink``; True at end-of-file."""
-    while True:
+    """Read what ``fd`` holds now (it is non-blocking) into ``sink``, at most one full pipe
+    (a writer as fast as this reader, ``yes``, must not keep the caller from its deadline);
+    True at end-of-file."""
+    for _ in range(PIPE_BYTES // 65536):
         try:
             chunk = os.read(fd, 65536)
         except BlockingIOError:
@@ -406,6 +408,7 @@ def _drain(fd: int, sink) -> bool:
             sink.extend(chunk)
         else:
             sink.feed(chunk)
+    return False
 
 
 def _pump(proc, sinks, started, deadline) -> bool:

@@ -165,3 +165,20 @@ def test_listen_serves_one_peer_over_a_unix_socket_and_unlinks_it(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_endless_writers_still_meet_the_deadline_and_the_drain(shell):
+    """A writer as fast as the shell reads (``yes``) in the foreground is killed at its
+    deadline; one left in the background after the command holds the pipes, and the shell
+    still answers within its drain time."""
+    import time
+
+    started = time.monotonic()
+    r = shell.exec("yes", timeout_s=1, cap=1000)
+    assert r.outcome is ExecOutcome.TIMED_OUT and time.monotonic() - started < 5
+    assert r.stdout_bytes_total > 1_000_000
+    started = time.monotonic()
+    r = shell.exec("yes > /dev/stdout & echo started", timeout_s=5, cap=1000)
+    took = time.monotonic() - started
+    assert r.exit_code == 0 and "started" in r.stdout and took < 2, took
+    # the shell closed its end of the pipe: the background writer dies of SIGPIPE
