@@ -7,6 +7,7 @@ judges other collectors' containers by the store's heartbeats), so neither impor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -16,7 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandpiper.collector.sandbox.podman import remove_containers_by_name, run_podman
+from sandpiper.collector.sandbox.podman import (
+    forget_host_state,
+    remove_containers_by_name,
+    run_podman,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +66,12 @@ async def list_containers(filters: Mapping[str, str] | None = None) -> list[Cont
 
 
 async def remove_containers(filters: Mapping[str, str]) -> list[str]:
-    """Remove every sandbox container matching ``filters``; returns their names."""
+    """Remove every sandbox container matching ``filters``, and what the host kept for each
+    (socket and cgroup folders); returns their names."""
     names = [c.name for c in await list_containers(filters)]
     if names:
         await remove_containers_by_name(names)
+        await asyncio.gather(*(forget_host_state(name) for name in names))
     return names
 
 

@@ -17,7 +17,6 @@ are reused):
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from collections.abc import Mapping
 from enum import StrEnum
@@ -30,7 +29,7 @@ from sandpiper.collector.sandbox.containers import (  # noqa: F401 (re-exported:
     remove_containers,
     remove_registry,
 )
-from sandpiper.collector.sandbox.podman import remove_containers_by_name, socket_dir
+from sandpiper.collector.sandbox.podman import forget_host_state, remove_containers_by_name
 
 GRACE_S = 3600.0
 """Containers of collectors unknown to the store are kept at least this long."""
@@ -100,5 +99,5 @@ async def gc(
         await remove_containers_by_name(orphans)
         for name in orphans:
             remove_registry(name)
-            shutil.rmtree(socket_dir(name), ignore_errors=True)
+            await forget_host_state(name)
     return orphans

@@ -206,6 +206,18 @@ def make_socket_dir(name: str, uid_base: int | None) -> Path:
     return path
 
 
+async def forget_host_state(name: str) -> None:
+    """Remove what the host holds for a removed container ``name``: its socket folder and
+    its cgroup folders (waiting up to 3 s for its conmon, which may outlive the removal for
+    a moment; what is left then goes at the next :func:`sweep_stale_host_state`)."""
+    shutil.rmtree(socket_dir(name), ignore_errors=True)
+    for _ in range(30):
+        if not remove_cgroup_parent(name):
+            return
+        await asyncio.sleep(0.1)
+    log.warning("cgroup /%s is still in use; left in place", name)
+
+
 def sweep_stale_socket_dirs(known: set[str]) -> int:
     """Remove the socket folders of containers not in ``known`` (a crashed collector's),
     leaving any younger than ``2 × START_TIMEOUT_S``: another collector on this host makes
@@ -317,9 +329,16 @@ class PodmanSandbox:
         box = cls(config, name, all_labels)
         try:
             make_socket_dir(name, uid_base)
-            await run_podman(
-                *container_argv(config, name=name, labels=all_labels, uid_base=uid_base)
-            )
+            argv = container_argv(config, name=name, labels=all_labels, uid_base=uid_base)
+            run = asyncio.ensure_future(run_podman(*argv))
+            try:
+                await asyncio.shield(run)
+            except asyncio.CancelledError:
+                # let `podman run` finish: a client killed between runc's create and start
+                # left a `runc init` (and its conmon) that no removal reaches
+                with contextlib.suppress(Exception):
+                    await run
+                raise
             await box._start_shell(takeover=False)
         except BaseException:
             await box.close()
@@ -343,13 +362,7 @@ class PodmanSandbox:
         except SandboxError as e:  # `sandpiper sandbox gc` will find it (collector label)
             log.warning("could not remove %s: %s", self.name, e)
             return
-        shutil.rmtree(socket_dir(self.name), ignore_errors=True)
-        for _ in range(30):  # the container's conmon may outlive its removal for a moment
-            if not remove_cgroup_parent(self.name):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            log.warning("cgroup /%s is still in use; left in place", self.name)
+        await forget_host_state(self.name)
 
     async def _start_shell(self, *, takeover: bool) -> None:
         argv = ["podman", "exec", "-i", self.name, "python3", "-I", SUPERVISOR]

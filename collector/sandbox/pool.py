@@ -40,7 +40,11 @@ from sandpiper.collector.sandbox.containers import (  # noqa: F401 (REGISTRY_DIR
     remove_registry,
     write_registry,
 )
-from sandpiper.collector.sandbox.podman import PodmanSandbox, collector_id, sweep_stale_host_state
+from sandpiper.collector.sandbox.podman import (
+    PodmanSandbox,
+    collector_id,
+    sweep_stale_host_state,
+)
 from sandpiper.collector.sandbox.uids import UidSlots
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError
@@ -196,5 +200,6 @@ class SandboxPool:
                 boxes.append(item)
         self._in_use.clear()
         await asyncio.gather(*(self._discard(b) for b in boxes), return_exceptions=True)
-        # a start cancelled mid-way may have left a container: remove by this pool's label
+        # a start or a reset cancelled mid-way may have left a container: remove by this
+        # pool's label, and what the host kept for it
         await remove_containers({"sandpiper.pool": self.labels["sandpiper.pool"]})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -318,3 +319,70 @@ def test_gc_keeps_a_live_collector_in_another_pid_namespace_and_host(
         other_host.wait(timeout=30)
         asyncio.run(remove_containers({"sandpiper.run": run}))
         store.close()
+
+
+def test_close_during_resets_leaves_no_host_state(sandbox_pool):
+    """Closing a pool while released sandboxes are still being reset (the reset task is
+    cancelled, so the box is in neither the idle queue nor in use) removes their containers
+    by label AND what the host kept for each: the socket folder and the cgroup folders."""
+    from sandpiper.collector.sandbox.podman import CGROUP_V1_ROOT, socket_dir
+
+    async def go():
+        async with sandbox_pool(pool_size=2) as pool:
+            boxes = [await pool.acquire(episode_id=f"e{i}", task_id="t") for i in range(2)]
+            names = [b.id for b in boxes]
+            assert all(socket_dir(n).is_dir() for n in names)
+            for box in boxes:
+                await pool.release(box)  # resets run in the background; close cancels them
+        return names
+
+    names = asyncio.run(go())
+    assert not any(socket_dir(n).exists() for n in names)
+    assert not [p for n in names for p in CGROUP_V1_ROOT.glob(f"*/{n}")]
+
+
+def test_a_start_cancelled_mid_way_leaves_no_container_or_runc_behind(
+    sandbox_config, sandbox_image
+):
+    """Cancelling ``PodmanSandbox.create`` while ``podman run`` is under way (a pool closed
+    while it warms up) lets the run finish and removes the container: killing the podman
+    client between runc's create and start left a ``runc init`` and its conmon behind,
+    which no removal by name or label reached."""
+    from sandpiper.collector.sandbox.podman import PodmanSandbox
+
+    def runc_and_conmon() -> set[int]:
+        found = set()
+        for pid in os.listdir("/proc"):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmd.startswith((b"runc\0init", b"/usr/bin/runc\0init")) or b"/conmon\0" in cmd:
+                found.add(int(pid))
+        return found
+
+    before = runc_and_conmon()
+    run = f"cancel-test-{os.getpid()}"
+
+    async def go():
+        for delay in (0.05, 0.2, 0.4, 0.6):
+            task = asyncio.create_task(
+                PodmanSandbox.create(
+                    sandbox_config, labels={"sandpiper.run": run}, uid_base=1_000_000 + 65536 * 1200
+                )
+            )
+            await asyncio.sleep(delay)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                box = await task
+                await box.close()  # it finished before the cancel
+        return {c.name for c in await list_containers({"sandpiper.run": run})}
+
+    try:
+        assert asyncio.run(go()) == set()
+        deadline = time.monotonic() + 10
+        while (left := runc_and_conmon() - before) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, left
+    finally:
+        asyncio.run(remove_containers({"sandpiper.run": run}))
