@@ -135,9 +135,13 @@ ACCEPT_TIMEOUT_S = 60.0
 """How long a ``--listen`` shell waits for the host to connect before it exits."""
 QUIET_START_S = 0.02
 """How long a command runs before its pipes are read as it writes (see :func:`_pump`)."""
-PIPE_BYTES = 1 << 20
-"""Pipe size asked for a command's stdout, stderr and state report (the kernel's default
-``pipe-max-size``); a quick command's output waits there until it exits."""
+PIPE_BYTES = 256 * 1024
+"""Pipe size asked for a command's stdout, stderr and state report: a quick command's output
+waits there until it exits (more only makes it block until ``QUIET_START_S``). Not the
+kernel's 1 MiB maximum: pipe capacity is counted per user (``pipe-user-pages-soft``, 64 MiB),
+and the pipes of a command stay alive while a background process holds them, so an agent
+that leaves such processes behind reaches the limit 4x later (after which new pipes are 2
+pages: slower, never stuck)."""
 DRAIN_AFTER_EXIT_S = 0.05
 """How long to keep reading pipes held open by background processes after the command."""
 _TOOLS: dict[str, str] = {}
