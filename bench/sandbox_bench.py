@@ -99,14 +99,14 @@ start-up (1.2 ms in the container).
 
 Alternated on a quiet machine (load 0.8-3 before each run; the bench itself brings it to
 6-11), old code (7612c0d) / new, ``.venv/bin/python bench/sandbox_bench.py --json``,
-2026-11-27 05:35-05:43 UTC, four runs each side (the last two new ones with change 4):
-``shell_overhead_ms_p50`` 27.3 / 42.6 / 37.5 / 27.0 -> 17.9 / 14.5 / 15.7 / 13.6 ms;
-``shell_overhead_ms_p99`` 98.2 / 95.2 / 87.3 / 92.5 -> 47.1 / 39.5 / 45.1 / 38.6 ms;
-``speedup_vs_podman_exec`` 37.1 / 20.7 / 37.1 / 24.9 -> 53.2 / 51.4 / 55.7 / 65.0; shell
-commands/s at 16: 354 / 245 / 278 / 336 -> 435 / 516 / 446 / 501; c=8 p99 153 / 149 / 124 /
-120 -> 36 / 33 / 35 / 40 ms; c=1 overhead p50 2.3-4.8 -> 1.5-2.1 ms. Bare bash at 16: p50
-15.4-19.6, p99 21-29 ms. Goals: speed-up ≥ 50 met, p50 better, p99 overhead ≤ 20 ms at 16
-not met (39-47 ms).
+2026-11-27 05:35-06:04 UTC, five runs each side (the last three new ones with change 4, the
+last with the final code): ``shell_overhead_ms_p50`` 27.3 / 42.6 / 37.5 / 27.0 / 28.9 -> 17.9 /
+14.5 / 15.7 / 13.6 / 13.4 ms; ``shell_overhead_ms_p99`` 98.2 / 95.2 / 87.3 / 92.5 / 104.9 ->
+47.1 / 39.5 / 45.1 / 38.6 / 37.6 ms; ``speedup_vs_podman_exec`` 37.1 / 20.7 / 37.1 / 24.9 / 38.5
+-> 53.2 / 51.4 / 55.7 / 65.0 / 50.9; shell commands/s at 16: 354 / 245 / 278 / 336 / 329 ->
+435 / 516 / 446 / 501 / 532; c=8 p99 153 / 149 / 124 / 120 / 123 -> 36 / 33 / 35 / 40 / 28 ms;
+c=1 overhead p50 2.0-4.8 -> 1.4-2.1 ms. Bare bash at 16: p50 15.4-19.6, p99 21-29 ms. Goals:
+speed-up ≥ 50 met (every run), p50 better, p99 overhead ≤ 20 ms at 16 not met (38-47 ms).
 
 ``--grading`` measures only what grading and episode turnaround cost (issue 14), on 2
 containers, with a 1 MiB workspace and a trivial test:
