@@ -67,6 +67,8 @@ IPC_SYSCTLS = {
 SOCKET_DIR = "/.sandpiper/sock"
 """Where a container sees its host folder of :func:`socket_dir` (mode 0700, container root's)."""
 SOCKET_NAME = "s"
+MAX_SOCKET_ROOT_CHARS = 48
+"""Longest temp folder used for sockets: + ``/sandpiper-sockets/sandpiper-<12 hex>/s`` (43)."""
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 """Largest reply payload accepted from a shell (a file read or a tar of a folder)."""
 
@@ -184,8 +186,13 @@ async def sweep_stale_host_state() -> int:
 
 
 def socket_root() -> Path:
-    """The host folder holding one folder per container for its shell's socket."""
-    return Path(tempfile.gettempdir()) / "sandpiper-sockets"
+    """The host folder holding one folder per container for its shell's socket: under the
+    temp folder, or ``/tmp`` when ``TMPDIR`` is so long that the socket's path would pass
+    the 107 bytes a Unix socket address holds."""
+    tmp = Path(tempfile.gettempdir())
+    if len(str(tmp)) > MAX_SOCKET_ROOT_CHARS:
+        tmp = Path("/tmp")
+    return tmp / "sandpiper-sockets"
 
 
 def socket_dir(name: str) -> Path:

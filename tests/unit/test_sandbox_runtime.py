@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,18 @@ def test_implementations_satisfy_the_protocol():
     asyncio.run(fake.close())
     assert issubclass(PodmanSandbox, object) and hasattr(PodmanSandbox, "exec")
     assert ExecOutcome("oom_killed") is ExecOutcome.OOM_KILLED
+
+
+def test_socket_paths_fit_a_unix_address_whatever_tmpdir(monkeypatch, tmp_path):
+    """The host connects to ``socket_dir(name)/s``: a Unix socket address holds 107 bytes,
+    so a long ``TMPDIR`` (a run folder deep in a checkout) must not push it past that."""
+    import tempfile
+
+    from sandpiper.collector.sandbox.podman import SOCKET_NAME, socket_dir
+
+    name = "sandpiper-0123456789ab"
+    for tmp in (tmp_path, tmp_path / ("x" * 120)):
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        assert len(str(socket_dir(name) / SOCKET_NAME).encode()) <= 107
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp")
+    assert socket_dir(name) == Path("/tmp/sandpiper-sockets") / name
