@@ -19,7 +19,7 @@ Where the tail comes from (issue 17), round 1 (load average 30-45): the cgroup w
 podman on this cgroup-v1 host put every container under ``libpod_parent``, ONE sibling of
 the host's root-cgroup processes (``cpu.shares`` 1024): the whole pool got one host
 process's CPU share and ran ~21 commands/s at any concurrency. Fix: each container in its
-own top-level cgroup (``--cgroup-parent /<name>``, ``podman.cgroup_parent``), and the agent's
+own top-level cgroup (``--cgroup-parent /<name>``, ``host_state.cgroup_parent``), and the agent's
 uid is dropped between fork and exec instead of exec'ing ``setpriv``: back to back, 21 ->
 148-154 commands/s at 16, 8x -> 39-40x ``podman exec``.
 
@@ -86,7 +86,7 @@ counter showed 10-20 ``epoll_wait`` returns per ``true``, because the state repo
 (``$(compgen -e)`` and a ``printf`` per variable) wrote a line at a time. On a saturated
 host each wake-up is a wait on a run queue, and a command with ~20 of them has ~20 chances
 to draw a long one: that is the p99. Changes: (1) the shell is reached over a Unix socket
-in a host folder bind-mounted into the container (``podman.socket_dir``;
+in a host folder bind-mounted into the container (``host_state.socket_dir``;
 ``_supervisor.listen``): no relay processes, 4 wake-ups fewer; (2) the state report is
 ``declare -px`` (no fork; -0.6 ms of CPU per command, half of bash's own start-up); (3) the
 pipes of a command are read only once it exits or after 20 ms (``_supervisor._pump``: 256 KiB

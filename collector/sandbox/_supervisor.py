@@ -845,10 +845,17 @@ def drop_bounding_set() -> None:
             raise OSError(err, f"could not drop capability {cap} from the bounding set")
 
 
+def announce_ready(**extra: str) -> None:
+    """The line the host waits for on this process's stdout before its first request."""
+    line = json.dumps({"ready": True, "pid": os.getpid(), **extra}).encode() + b"\n"
+    sys.stdout.buffer.write(line)
+    sys.stdout.buffer.flush()
+
+
 def listen(path: str):
     """Serve the host over a Unix socket at ``path`` instead of this process's stdio.
 
-    The socket lies in a folder bind-mounted from the host (``podman.socket_dir``), owned by
+    The socket lies in a folder bind-mounted from the host (``host_state.socket_dir``), owned by
     container root with mode 0700: no agent uid can reach it. ``ready`` is announced on
     stdout (the ``podman exec`` pipe, unused after that) once the socket listens; the first
     peer from OUTSIDE this container is served (``SO_PEERCRED`` reports pid 0 for a process
@@ -867,10 +874,7 @@ def listen(path: str):
     os.chmod(path, 0o600)
     server.listen(4)
     server.settimeout(ACCEPT_TIMEOUT_S)
-    sys.stdout.buffer.write(
-        json.dumps({"ready": True, "pid": os.getpid(), "socket": path}).encode() + b"\n"
-    )
-    sys.stdout.buffer.flush()
+    announce_ready(socket=path)
     while True:
         try:
             conn, _ = server.accept()
@@ -904,8 +908,7 @@ def main() -> None:
         stdin, stdout = listen(sys.argv[sys.argv.index("--listen") + 1])
     else:
         stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-        stdout.write(json.dumps({"ready": True, "pid": os.getpid()}).encode() + b"\n")
-        stdout.flush()
+        announce_ready()
     while True:
         line = stdin.readline()
         if not line:

@@ -267,9 +267,9 @@ async def _logs_off(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
 
 
 async def _socket_unreachable(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
-    """The supervisor's socket folder (``podman.SOCKET_DIR``) cannot be entered by the
+    """The supervisor's socket folder (``host_state.SOCKET_DIR``) cannot be entered by the
     agent, and its socket is gone once the host is connected."""
-    from sandpiper.collector.sandbox.podman import SOCKET_DIR, socket_dir
+    from sandpiper.collector.sandbox.host_state import SOCKET_DIR, socket_dir
 
     r = await box.exec(f"ls -A {SOCKET_DIR} >/dev/null 2>&1 && echo listed || echo refused")
     left = sorted(p.name for p in socket_dir(box.name).iterdir())

@@ -7,7 +7,6 @@ judges other collectors' containers by the store's heartbeats), so neither impor
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -17,11 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandpiper.collector.sandbox.podman import (
-    forget_host_state,
-    remove_containers_by_name,
-    run_podman,
-)
+from sandpiper.collector.sandbox.podman import remove_containers_by_name, run_podman
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +66,6 @@ async def remove_containers(filters: Mapping[str, str]) -> list[str]:
     names = [c.name for c in await list_containers(filters)]
     if names:
         await remove_containers_by_name(names)
-        await asyncio.gather(*(forget_host_state(name) for name in names))
     return names
 
 

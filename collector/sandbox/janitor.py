@@ -29,7 +29,7 @@ from sandpiper.collector.sandbox.containers import (  # noqa: F401 (re-exported:
     remove_containers,
     remove_registry,
 )
-from sandpiper.collector.sandbox.podman import forget_host_state, remove_containers_by_name
+from sandpiper.collector.sandbox.podman import remove_containers_by_name
 
 GRACE_S = 3600.0
 """Containers of collectors unknown to the store are kept at least this long."""
@@ -99,5 +99,4 @@ async def gc(
         await remove_containers_by_name(orphans)
         for name in orphans:
             remove_registry(name)
-            await forget_host_state(name)
     return orphans

@@ -4,7 +4,7 @@ Driven through the podman CLI from asyncio. Each container runs catatonit (bind-
 the host, ``-P``) as pid 1, so init survives ``kill -9 -1``; a persistent shell — the
 stdlib-only ``_supervisor.py``, bind-mounted read-only and started once with
 ``podman exec -i`` and reached over a Unix socket in a host folder bind-mounted into the
-container (:func:`socket_dir`; the exec's pipes only announce it) — runs every command
+container (:func:`.host_state.socket_dir`; the exec's pipes only announce it) — runs every command
 framed (JSON header + raw payload; the reply header is the end marker with the exit status).
 See ``_supervisor.py`` for the state semantics.
 
@@ -29,7 +29,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import tarfile
 import tempfile
 import time
@@ -38,7 +37,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sandpiper.collector.sandbox import host_state
 from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, GradeResult
+from sandpiper.collector.sandbox.host_state import SOCKET_DIR, SOCKET_NAME
 from sandpiper.collector.sandbox.uids import UIDMAP_SIZE
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError, SandboxLostError
@@ -64,11 +65,6 @@ IPC_SYSCTLS = {
     "kernel.msgmni": 64,  # message queues (each at most msgmnb = 16 KiB by default)
 }
 """Per-container (IPC namespace) limits of SysV IPC, set at creation."""
-SOCKET_DIR = "/.sandpiper/sock"
-"""Where a container sees its host folder of :func:`socket_dir` (mode 0700, container root's)."""
-SOCKET_NAME = "s"
-MAX_SOCKET_ROOT_CHARS = 48
-"""Longest temp folder used for sockets: + ``/sandpiper-sockets/sandpiper-<12 hex>/s`` (43)."""
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 """Largest reply payload accepted from a shell (a file read or a tar of a folder)."""
 
@@ -110,16 +106,18 @@ async def run_podman(*args: str, stdin: bytes | None = None, timeout_s: float = 
 
 
 async def remove_containers_by_name(names: list[str], attempts: int = 4) -> None:
-    """``podman rm -f``, retried: on podman 4.3 a removal racing another podman call can
-    fail with "unlinkat …/userdata/shm: device or resource busy"."""
+    """``podman rm -f``, retried (on podman 4.3 a removal racing another podman call can
+    fail with "unlinkat …/userdata/shm: device or resource busy"), then what the host kept
+    for each container (:func:`.host_state.forget`). Every removal goes through here."""
     for attempt in range(attempts):
         try:
             await run_podman("rm", "-f", "-t", "0", "--ignore", *names)
-            return
+            break
         except SandboxError:
             if attempt == attempts - 1:
                 raise
             await asyncio.sleep(0.2 * 2**attempt)
+    await asyncio.gather(*(host_state.forget(name) for name in names))
 
 
 async def _reap(proc: asyncio.subprocess.Process) -> None:
@@ -128,119 +126,14 @@ async def _reap(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
-CGROUP_V1_ROOT = Path("/sys/fs/cgroup")
-PODMAN_V1_PARENT = CGROUP_V1_ROOT / "cpu" / "libpod_parent"
-
-
-def cgroup_parent(name: str, uid_base: int | None) -> str | None:
-    """A top-level cgroup of its own for container ``name`` (root podman on cgroup v1), or
-    None to leave podman's default.
-
-    Why: podman's default parent, ``libpod_parent``, is ONE sibling of every process of the
-    host's root cgroup with the default weight (``cpu.shares`` 1024). Under load all the
-    sandboxes together got the CPU share of a single host process: with the bench's own 16
-    ``podman exec`` clients and event loop runnable, 16 busy sandboxes shared ~1/18 of the
-    CPU, which was the shell's tail at 16 sandboxes (and with 40 runnable host processes
-    from other work, the whole pool ran ~21 commands/s at any concurrency). Each container
-    in its own top-level cgroup weighs like one host process, as a bare ``bash`` does.
-    """
-    if uid_base is None or not PODMAN_V1_PARENT.is_dir():
-        return None  # rootless/systemd/cgroup v2: podman's own placement, weights per unit
-    return f"/{name}"
-
-
-def remove_cgroup_parent(name: str) -> bool:
-    """Remove the (empty) cgroup folders of :func:`cgroup_parent` in every controller;
-    True while some are left (a cgroup with processes cannot be removed)."""
-    left = False
-    if not PODMAN_V1_PARENT.is_dir():
-        return False
-    for controller in CGROUP_V1_ROOT.iterdir():
-        top = controller / name
-        if not top.is_dir():
-            continue
-        for sub in sorted((p for p in top.rglob("*") if p.is_dir()), reverse=True):
-            with contextlib.suppress(OSError):
-                sub.rmdir()
-        try:
-            top.rmdir()
-        except OSError:
-            left = True
-    return left
-
-
 async def sweep_stale_host_state() -> int:
-    """Remove the cgroup folders of :func:`cgroup_parent` and the socket folders of
-    :func:`socket_dir` whose container is gone (removed by ``sandbox gc``, its collector
-    killed, or its conmon outlived ``close``); returns how many. Only empty cgroups can be
-    removed, so a live container's never is."""
-    names = set()
-    if PODMAN_V1_PARENT.is_dir():
-        names = {p.name for p in CGROUP_V1_ROOT.glob("*/sandpiper-*") if p.is_dir()}
-    if not names and not socket_root().is_dir():
+    """Remove the cgroup and socket folders (:mod:`.host_state`) of containers podman no
+    longer has (removed by ``sandbox gc``, their collector killed, or their conmon outlived
+    the removal); returns how many."""
+    if not host_state.names_on_host():
         return 0
     known = set((await run_podman("ps", "-a", "--format", "{{.Names}}")).decode().split())
-    stale = sorted(names - known)
-    removed = sum(not remove_cgroup_parent(name) for name in stale)
-    return removed + sweep_stale_socket_dirs(known)
-
-
-def socket_root() -> Path:
-    """The host folder holding one folder per container for its shell's socket: under the
-    temp folder, or ``/tmp`` when ``TMPDIR`` is so long that the socket's path would pass
-    the 107 bytes a Unix socket address holds."""
-    tmp = Path(tempfile.gettempdir())
-    if len(str(tmp)) > MAX_SOCKET_ROOT_CHARS:
-        tmp = Path("/tmp")
-    return tmp / "sandpiper-sockets"
-
-
-def socket_dir(name: str) -> Path:
-    """Container ``name``'s socket folder on the host (a Unix socket path must stay under
-    108 bytes, hence a short fixed root instead of the run's folder)."""
-    return socket_root() / name
-
-
-def make_socket_dir(name: str, uid_base: int | None) -> Path:
-    """Create :func:`socket_dir` owned by the container's root (host uid ``uid_base``), mode
-    0700: its shell can bind there, no agent uid of the container can enter it."""
-    root = socket_root()
-    root.mkdir(mode=0o700, exist_ok=True)
-    path = socket_dir(name)
-    path.mkdir(mode=0o700)
-    if uid_base is not None:
-        os.chown(path, uid_base, uid_base)
-    return path
-
-
-async def forget_host_state(name: str) -> None:
-    """Remove what the host holds for a removed container ``name``: its socket folder and
-    its cgroup folders (waiting up to 3 s for its conmon, which may outlive the removal for
-    a moment; what is left then goes at the next :func:`sweep_stale_host_state`)."""
-    shutil.rmtree(socket_dir(name), ignore_errors=True)
-    for _ in range(30):
-        if not remove_cgroup_parent(name):
-            return
-        await asyncio.sleep(0.1)
-    log.warning("cgroup /%s is still in use; left in place", name)
-
-
-def sweep_stale_socket_dirs(known: set[str]) -> int:
-    """Remove the socket folders of containers not in ``known`` (a crashed collector's),
-    leaving any younger than ``2 × START_TIMEOUT_S``: another collector on this host makes
-    its container's folder before ``podman ps`` lists the container."""
-    root = socket_root()
-    if not root.is_dir():
-        return 0
-    old = time.time() - 2 * START_TIMEOUT_S
-    stale = [
-        p
-        for p in root.iterdir()
-        if p.name.startswith("sandpiper-") and p.name not in known and p.stat().st_mtime < old
-    ]
-    for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
-    return len(stale)
+    return host_state.sweep(known, min_age_s=2 * START_TIMEOUT_S)
 
 
 def container_argv(
@@ -253,7 +146,7 @@ def container_argv(
     if uid_base is not None:
         span = f"0:{uid_base}:{UIDMAP_SIZE}"
         argv += ["--uidmap", span, "--gidmap", span]
-    if (parent := cgroup_parent(name, uid_base)) is not None:
+    if (parent := host_state.cgroup_parent(name, uid_base)) is not None:
         argv += ["--cgroup-parent", parent]
     workspace_opts = f"rw,size={config.workspace_size_mb}m,mode=1777,exec,nosuid,nodev"
     argv += [
@@ -293,7 +186,7 @@ def container_argv(
         "--volume",
         f"{GRADER_HOST_PATH}:{GRADER}:ro",
         "--volume",  # the shell's socket (see _supervisor.listen)
-        f"{socket_dir(name)}:{SOCKET_DIR}:rw",
+        f"{host_state.socket_dir(name)}:{SOCKET_DIR}:rw",
         "--entrypoint",
         json.dumps([CATATONIT, "-P"]),
         config.image,
@@ -335,7 +228,7 @@ class PodmanSandbox:
             all_labels["sandpiper.uid_base"] = str(uid_base)
         box = cls(config, name, all_labels)
         try:
-            make_socket_dir(name, uid_base)
+            host_state.make_socket_dir(name, uid_base)
             argv = container_argv(config, name=name, labels=all_labels, uid_base=uid_base)
             run = asyncio.ensure_future(run_podman(*argv))
             try:
@@ -368,8 +261,6 @@ class PodmanSandbox:
             await remove_containers_by_name([self.name])
         except SandboxError as e:  # `sandpiper sandbox gc` will find it (collector label)
             log.warning("could not remove %s: %s", self.name, e)
-            return
-        await forget_host_state(self.name)
 
     async def _start_shell(self, *, takeover: bool) -> None:
         argv = ["podman", "exec", "-i", self.name, "python3", "-I", SUPERVISOR]
@@ -395,7 +286,7 @@ class PodmanSandbox:
         try:
             self._reader, self._writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(
-                    str(socket_dir(self.name) / SOCKET_NAME), limit=1 << 20
+                    str(host_state.socket_dir(self.name) / SOCKET_NAME), limit=1 << 20
                 ),
                 START_TIMEOUT_S,
             )

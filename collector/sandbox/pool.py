@@ -40,11 +40,7 @@ from sandpiper.collector.sandbox.containers import (  # noqa: F401 (REGISTRY_DIR
     remove_registry,
     write_registry,
 )
-from sandpiper.collector.sandbox.podman import (
-    PodmanSandbox,
-    collector_id,
-    sweep_stale_host_state,
-)
+from sandpiper.collector.sandbox.podman import PodmanSandbox, collector_id, sweep_stale_host_state
 from sandpiper.collector.sandbox.uids import UidSlots
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError

@@ -215,7 +215,7 @@ def test_the_supervisors_socket_cannot_be_reached_from_the_agent(sandbox_pool):
     requests (run as root, write ``/grade``, grade itself). The folder is container root's
     with mode 0700, the socket file is unlinked once the host is connected, and the shell
     serves only a peer outside the container's pid namespace."""
-    from sandpiper.collector.sandbox.podman import SOCKET_DIR, socket_dir
+    from sandpiper.collector.sandbox.host_state import SOCKET_DIR, socket_dir
 
     probe = (
         "import socket\n"

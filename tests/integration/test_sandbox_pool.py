@@ -325,7 +325,7 @@ def test_close_during_resets_leaves_no_host_state(sandbox_pool):
     """Closing a pool while released sandboxes are still being reset (the reset task is
     cancelled, so the box is in neither the idle queue nor in use) removes their containers
     by label AND what the host kept for each: the socket folder and the cgroup folders."""
-    from sandpiper.collector.sandbox.podman import CGROUP_V1_ROOT, socket_dir
+    from sandpiper.collector.sandbox.host_state import CGROUP_V1_ROOT, socket_dir
 
     async def go():
         async with sandbox_pool(pool_size=2) as pool:

@@ -81,7 +81,7 @@ def test_socket_paths_fit_a_unix_address_whatever_tmpdir(monkeypatch, tmp_path):
     so a long ``TMPDIR`` (a run folder deep in a checkout) must not push it past that."""
     import tempfile
 
-    from sandpiper.collector.sandbox.podman import SOCKET_NAME, socket_dir
+    from sandpiper.collector.sandbox.host_state import SOCKET_NAME, socket_dir
 
     name = "sandpiper-0123456789ab"
     for tmp in (tmp_path, tmp_path / ("x" * 120)):

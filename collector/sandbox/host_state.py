@@ -1,0 +1,133 @@
+"""What the host keeps for each sandbox container besides the container itself: its own
+top-level cgroup folders and the folder of its shell's Unix socket.
+
+Both are made before ``podman run`` and must go with the container. Every removal goes
+through ``podman.remove_containers_by_name``, which calls :func:`forget`; what a crashed
+collector left behind goes at the next pool start (``podman.sweep_stale_host_state``, which
+asks podman which containers still exist and calls :func:`sweep`). This module only touches
+the host's file systems; it never calls podman.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CGROUP_V1_ROOT = Path("/sys/fs/cgroup")
+PODMAN_V1_PARENT = CGROUP_V1_ROOT / "cpu" / "libpod_parent"
+SOCKET_DIR = "/.sandpiper/sock"
+"""Where a container sees its host folder of :func:`socket_dir` (mode 0700, container root's)."""
+SOCKET_NAME = "s"
+MAX_SOCKET_ROOT_CHARS = 48
+"""Longest temp folder used for sockets: + ``/sandpiper-sockets/sandpiper-<12 hex>/s`` (43)."""
+
+
+def cgroup_parent(name: str, uid_base: int | None) -> str | None:
+    """A top-level cgroup of its own for container ``name`` (root podman on cgroup v1), or
+    None to leave podman's default.
+
+    Why: podman's default parent, ``libpod_parent``, is ONE sibling of every process of the
+    host's root cgroup with the default weight (``cpu.shares`` 1024). Under load all the
+    sandboxes together got the CPU share of a single host process: with the bench's own 16
+    ``podman exec`` clients and event loop runnable, 16 busy sandboxes shared ~1/18 of the
+    CPU, which was the shell's tail at 16 sandboxes (and with 40 runnable host processes
+    from other work, the whole pool ran ~21 commands/s at any concurrency). Each container
+    in its own top-level cgroup weighs like one host process, as a bare ``bash`` does.
+    """
+    if uid_base is None or not PODMAN_V1_PARENT.is_dir():
+        return None  # rootless/systemd/cgroup v2: podman's own placement, weights per unit
+    return f"/{name}"
+
+
+def remove_cgroup_parent(name: str) -> bool:
+    """Remove the (empty) cgroup folders of :func:`cgroup_parent` in every controller;
+    True while some are left (a cgroup with processes cannot be removed)."""
+    left = False
+    if not PODMAN_V1_PARENT.is_dir():
+        return False
+    for controller in CGROUP_V1_ROOT.iterdir():
+        top = controller / name
+        if not top.is_dir():
+            continue
+        for sub in sorted((p for p in top.rglob("*") if p.is_dir()), reverse=True):
+            with contextlib.suppress(OSError):
+                sub.rmdir()
+        try:
+            top.rmdir()
+        except OSError:
+            left = True
+    return left
+
+
+def socket_root() -> Path:
+    """The host folder holding one folder per container for its shell's socket: under the
+    temp folder, or ``/tmp`` when ``TMPDIR`` is so long that the socket's path would pass
+    the 107 bytes a Unix socket address holds."""
+    tmp = Path(tempfile.gettempdir())
+    if len(str(tmp)) > MAX_SOCKET_ROOT_CHARS:
+        tmp = Path("/tmp")
+    return tmp / "sandpiper-sockets"
+
+
+def socket_dir(name: str) -> Path:
+    """Container ``name``'s socket folder on the host."""
+    return socket_root() / name
+
+
+def make_socket_dir(name: str, uid_base: int | None) -> Path:
+    """Create :func:`socket_dir` owned by the container's root (host uid ``uid_base``), mode
+    0700: its shell can bind there, no agent uid of the container can enter it."""
+    socket_root().mkdir(mode=0o700, exist_ok=True)
+    path = socket_dir(name)
+    path.mkdir(mode=0o700)
+    if uid_base is not None:
+        os.chown(path, uid_base, uid_base)
+    return path
+
+
+async def forget(name: str) -> None:
+    """Remove what the host holds for the removed container ``name``: its socket folder and
+    its cgroup folders (waiting up to 3 s for its conmon, which may outlive the removal for
+    a moment; what is left then goes at the next :func:`sweep`)."""
+    shutil.rmtree(socket_dir(name), ignore_errors=True)
+    for _ in range(30):
+        if not remove_cgroup_parent(name):
+            return
+        await asyncio.sleep(0.1)
+    log.warning("cgroup /%s is still in use; left in place", name)
+
+
+def names_on_host() -> set[str]:
+    """The containers this host keeps cgroup or socket folders for."""
+    names = set()
+    if PODMAN_V1_PARENT.is_dir():
+        names = {p.name for p in CGROUP_V1_ROOT.glob("*/sandpiper-*") if p.is_dir()}
+    if socket_root().is_dir():
+        names |= {p.name for p in socket_root().iterdir() if p.name.startswith("sandpiper-")}
+    return names
+
+
+def sweep(known: set[str], *, min_age_s: float) -> int:
+    """Remove the folders of every container not in ``known`` (those podman still has);
+    returns how many. Only empty cgroups can be removed, so a live container's never is; a
+    socket folder younger than ``min_age_s`` is left, since another collector on this host
+    makes its container's folder before ``podman ps`` lists the container."""
+    removed = 0
+    old = time.time() - min_age_s
+    for name in sorted(names_on_host() - known):
+        left = remove_cgroup_parent(name)
+        path = socket_dir(name)
+        if path.is_dir() and path.stat().st_mtime >= old:
+            left = True
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        removed += not left
+    return removed
