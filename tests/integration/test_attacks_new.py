@@ -226,13 +226,16 @@ def editor(**arguments) -> str:
 
 def test_editor_on_the_supervisors_own_proc_files(attacks):
     """The editor's file operations run in the supervisor's process (with the agent's
-    file-system uid), so ``/proc/self`` is the supervisor: its stdin/stdout pipes, memory,
-    environment and OOM score. Pipes are refused without blocking, root's files cannot be
-    written, and nothing breaks the framing of the next request."""
+    file-system uid), so ``/proc/self`` is the supervisor: its stdin/stdout pipes, the socket
+    the host talks to it over (one of the next descriptors), memory, environment and OOM
+    score. Pipes and sockets are refused without blocking, root's files cannot be written,
+    and nothing breaks the framing of the next request."""
     calls = [
         editor(command="view", path="/proc/self/fd/0"),
         editor(command="view", path="/proc/self/fd/1"),
         editor(command="str_replace", path="/proc/self/fd/1", old_str="a", new_str="b"),
+        *(editor(command="view", path=f"/proc/self/fd/{fd}") for fd in (3, 4, 5)),
+        editor(command="insert", path="/proc/self/fd/4", insert_line=0, new_str="{}"),
         editor(command="view", path="/proc/self/mem"),
         editor(command="view", path="/proc/self/environ"),
         editor(command="view", path="/proc/1/environ"),
@@ -241,13 +244,13 @@ def test_editor_on_the_supervisors_own_proc_files(attacks):
         bash("cat /proc/$(pgrep -u 0 -f sandpiper/supervisor)/oom_score_adj; echo still-framed"),
     ]  # fmt: skip
     ep, _ = assert_forged_nothing(
-        attacks, attacks.imports, ["\n".join(calls[:5]), "\n".join(calls[5:])]
+        attacks, attacks.imports, ["\n".join(calls[:9]), "\n".join(calls[9:])]
     )
     results = [c for t in ep.turns for c in t.tool_calls]
-    assert all(c.error_kind.value == "tool_error" for c in results[:8]), [
+    assert all(c.error_kind.value == "tool_error" for c in results[:12]), [
         (c.error_kind, c.output[:120]) for c in results
     ]  # pipes refused without blocking; mem, environ, oom_score_adj: the agent's rights
-    assert "still-framed" in results[8].output and results[8].output.startswith("0"), results[8]
+    assert "still-framed" in results[12].output and results[12].output.startswith("0"), results[12]
     assert "SANDPIPER_RESULT_TAG" not in outputs(ep)
 
 
