@@ -9,12 +9,13 @@ byte-exact). Replies use the same framing; the reply header is the end marker an
 the exit status.
 
 Each command runs as ``bash -c PRELUDE+COMMAND`` in its own session and process group, as
-the agent's uid (set between fork and exec, see :func:`spawn`). Its stdout/stderr are read
+the agent's uid (see :class:`Launcher`). Its stdout/stderr are read
 here and capped at the source: the first and last ``cap/2`` bytes are kept and the total is
 counted, so 1 GB of output never leaves the container. At the deadline this shell SIGKILLs
-the whole process group (no ``timeout(1)`` in between: one exec less per command). A
-command that kills every process of the agent (``kill -9 -1``) is reported as killed (137):
-a sentinel process of the agent's uid (:func:`sentinel_killed`) dies with the others.
+the whole process group (no ``timeout(1)`` in between: one exec less per command). The
+agent's commands are started by :class:`Launcher`, a child of this shell that runs as the
+agent's uid (so starting one costs no fork of this shell); a command that kills every
+process of the agent (``kill -9 -1``) kills the launcher too and is reported as killed (137).
 
 State semantics: the working directory and the exported environment persist from one command
 to the next (bash runs with ``set -a``, so plain ``X=1`` assignments persist too); shell
@@ -37,12 +38,15 @@ import ctypes
 import errno
 import fcntl
 import json
+import mmap
 import os
 import re
 import selectors
 import shutil
 import signal
+import socket
 import stat as stat_module
+import struct
 import subprocess
 import sys
 import tarfile
@@ -145,12 +149,10 @@ pages: slower, never stuck)."""
 DRAIN_AFTER_EXIT_S = 0.05
 """How long to keep reading pipes held open by background processes after the command."""
 _TOOLS: dict[str, str] = {}
-PF_EXITING = 0x4
-"""``task->flags`` bit of a process that is exiting (``/proc/PID/stat`` field 9)."""
-_SENTINEL: "subprocess.Popen[bytes] | None" = None
-_SENTINEL_STOPPED = False
-"""A ``bash`` of the agent's uid blocked reading a pipe only this shell holds (see
-:func:`sentinel_killed`); started before a command when it is not running."""
+PR_SET_PDEATHSIG = 1
+USE_LAUNCHER = False
+"""Agent commands start through :class:`Launcher` (set in ``main``: in a sandbox, or with
+``--launcher``)."""
 
 
 class Capper:
@@ -217,68 +219,199 @@ def _tool(name: str) -> str:
     return _TOOLS[name]
 
 
-def ensure_sentinel() -> None:
-    """Start the sentinel if it is not running (after a reset, a ``kill -9 -1``, grading)."""
-    global _SENTINEL, _SENTINEL_STOPPED
-    if _SENTINEL is not None:
-        if _SENTINEL_STOPPED:
-            _SENTINEL.wait()  # killed on purpose and dying: gone in a moment
-        elif _SENTINEL.poll() is None:
-            return
-        if _SENTINEL.stdin is not None:
-            _SENTINEL.stdin.close()
-        _SENTINEL, _SENTINEL_STOPPED = None, False
-    # its stdin is a pipe this shell never writes: when the shell goes, the sentinel goes.
-    # Cannot start (pids exhausted): the command runs without, as the command would fail.
-    with contextlib.suppress(OSError):
-        _SENTINEL = subprocess.Popen(
-            [_tool("bash"), "-c", "read -r _"], stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=BASE_ENV, cwd="/",
-            start_new_session=True, user=AGENT_UID, group=AGENT_UID, extra_groups=[],
-        )  # fmt: skip
+LAUNCH_TIMEOUT_S = 2.0
+"""How long handing a command to the launcher may block (it is the agent's own process)."""
+KILL_GRACE_S = 1.0
+"""After the deadline's SIGKILL, how long the command's end may take to be reported before
+the launcher (stopped by the agent) is killed as well."""
+_LAUNCHER: "Launcher | None" = None
+LAUNCHER_TITLE = b"sandpiper-launcher"
 
 
-def stop_sentinel() -> None:
-    """Kill the sentinel before killing the agent's processes on purpose (reset, grading): it
-    is not the agent's, so it must not count as left. Not waited for: with a SIGKILL pending
-    it never runs user code again, and :func:`uid_processes` skips it until it is reaped."""
-    global _SENTINEL_STOPPED
-    if _SENTINEL is not None and _SENTINEL.poll() is None:
-        _SENTINEL.kill()
-        _SENTINEL_STOPPED = True
+class Launcher:
+    """Starts the agent's commands: a child of this shell, forked once and never exec'd,
+    running as the agent's uid. Commands are handed over on a socket pair (the request,
+    with the command's pipe ends passed as descriptors); the launcher writes the command's
+    pid into a page shared with this shell and, when the command ends, sends back its exit
+    status.
+
+    Why: ``Popen(user=...)`` forks, since CPython will not ``vfork`` while changing uids.
+    Measured in a sandbox container (bench/sandbox_bench.py, round 4), that fork cost this
+    shell 1.0 ms more CPU per command and the child 0.6 ms more, about half of all the CPU a
+    ``true`` took. The launcher already has the agent's uid, so its ``Popen`` vforks.
+
+    What the agent can do to it (docs/security.md): it is the agent's own process, so the
+    agent can kill or stop it, as it can its own commands. It cannot trace it, read its memory
+    or take its descriptors: a process that changed its uid without an exec is not dumpable.
+    It holds nothing of this shell's: every other descriptor is closed, and setting every uid
+    to a non-zero one cleared its capabilities. If the launcher dies during a command (a
+    ``kill -9 -1`` kills it with every other process of the agent, as it killed the sentinel
+    that did this job before), that command is reported killed (137), and the next command
+    gets a new launcher. If it is stopped, a new one replaces it before the next command; a
+    launcher stopped during a command lets that command run to its deadline, then both die.
+    """
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.page = mmap.mmap(-1, mmap.PAGESIZE)  # anonymous and MAP_SHARED: shared after fork
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the launcher
+            try:
+                ours.close()
+                _serve_launches(theirs, self.page, parent)
+            finally:
+                os._exit(0)
+        theirs.close()
+        ours.settimeout(LAUNCH_TIMEOUT_S)
+        self.pid, self.sock = pid, ours
+
+    def ready(self) -> bool:
+        """Alive and not stopped (``/proc/PID/stat`` state)."""
+        try:
+            state = read_small(f"/proc/{self.pid}/stat").rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state in ("S", "R", "D")
+
+    def launch(self, argv: list, state_at: int, env: dict, cwd: str, fds: tuple) -> None:
+        """Hand a command over; ``argv[state_at]`` becomes the state report's descriptor
+        number in the launcher. Raises OSError when the launcher does not take it."""
+        struct.pack_into("q", self.page, 0, 0)
+        body = json.dumps({"argv": argv, "state_at": state_at, "env": env, "cwd": cwd}).encode()
+        socket.send_fds(self.sock, [struct.pack("I", len(body))], list(fds))
+        self.sock.sendall(body)
+
+    def command_pid(self) -> int:
+        """The running command's pid (its process group), 0 until it has started."""
+        return struct.unpack_from("q", self.page, 0)[0]
+
+    def result(self) -> dict | None:
+        """The launcher's report on the command (``rc`` or ``error``); None if it died."""
+        try:
+            (n,) = struct.unpack("I", _recv_exactly(self.sock, 4))
+            return json.loads(_recv_exactly(self.sock, n))
+        except (OSError, ValueError, EOFError):
+            return None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        self.sock.close()
+        self.page.close()
 
 
-def _dying_sentinel() -> int | None:
-    """The pid of the sentinel killed by :func:`stop_sentinel` while it is not reaped (so
-    the pid cannot have been reused)."""
-    if _SENTINEL is not None and _SENTINEL_STOPPED and _SENTINEL.poll() is None:
-        return _SENTINEL.pid
-    return None
-
-
-def sentinel_killed() -> bool:
-    """Whether the sentinel was killed (it never exits by itself): a command killed every
-    process of the agent's uid, which ``timeout(1)``, the command's parent before, used to
-    report as the command killed. A SIGKILL sent is pending at once, so it shows in ``/proc``
-    before the sentinel has run to die; then ``PF_EXITING`` shows until it is a zombie
-    (between the two lies a window of a few instructions of the dying sentinel, not of the
-    command, so a ``kill -9 -1`` is missed only if the sentinel is preempted just there)."""
-    if _SENTINEL is None or _SENTINEL_STOPPED:
-        return False
-    if _SENTINEL.poll() is not None:
-        return True
+def _real_uid(pid: int) -> int | None:
     try:
-        flags = int(read_small(f"/proc/{_SENTINEL.pid}/stat").rpartition(")")[2].split()[6])
-        if flags & PF_EXITING:
-            return True
-        for line in read_small(f"/proc/{_SENTINEL.pid}/status").splitlines():
-            if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (
-                1 << (signal.SIGKILL - 1)
-            ):
-                return True
-    except (OSError, ValueError, IndexError):
-        return True
-    return False
+        return int(read_small(f"/proc/{pid}/status").split("\nUid:")[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError("the peer closed the socket")
+        data += chunk
+    return data
+
+
+def _serve_launches(sock: socket.socket, page: mmap.mmap, parent: int) -> None:
+    """The launcher's loop (in the forked child): drop to the agent's uid, then start one
+    command per request and report its exit status."""
+    keep = sock.fileno()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, keep)  # the host's connection, the previous command's pipes, ...
+    os.closerange(keep + 1, max(keep + 2, os.sysconf("SC_OPEN_MAX")))
+    _set_command_line(LAUNCHER_TITLE)
+    if PRIVILEGED:
+        os.setgroups([])
+        os.setresgid(AGENT_UID, AGENT_UID, AGENT_UID)
+        os.setresuid(AGENT_UID, AGENT_UID, AGENT_UID)
+    # after the uid change, which clears it: die with this shell
+    (_LIBC or ctypes.CDLL(None, use_errno=True)).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        return  # the shell died before that
+    sock.settimeout(None)
+    while True:
+        try:
+            head, fds, _, _ = socket.recv_fds(sock, 4, 3)
+        except OSError:
+            return
+        if not head:
+            return
+        try:
+            head += _recv_exactly(sock, 4 - len(head))
+            req = json.loads(_recv_exactly(sock, struct.unpack("I", head)[0]))
+            reply = _launch_one(req, fds, page)
+        except EOFError:
+            return
+        except Exception as e:  # reported as a command that could not start
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        msg = json.dumps(reply).encode()
+        sock.sendall(struct.pack("I", len(msg)) + msg)
+
+
+def _set_command_line(title: bytes) -> None:
+    """Show ``title`` as this process's command line (``/proc/PID/cmdline``, ``ps -o args``,
+    ``pkill -f``): the launcher is a fork of the shell and would show the shell's, so an agent
+    aiming at "the supervisor" by name would hit its own launcher instead. The arguments'
+    memory is overwritten in place (``/proc/self/stat`` fields 48 and 49 give where it is)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = read_small("/proc/self/stat").rpartition(")")[2].split()
+        start, end = int(fields[45]), int(fields[46])
+        text = title[: end - start - 1]
+        ctypes.memset(start, 0, end - start)
+        ctypes.memmove(start, text, len(text))
+
+
+def _launch_one(req: dict, fds: list, page: mmap.mmap) -> dict:
+    out_w, err_w, state_w = fds
+    argv = req["argv"]
+    argv[req["state_at"]] = str(state_w)
+    kw = {"stdin": subprocess.DEVNULL, "stdout": out_w, "stderr": err_w, "env": req["env"],
+          "pass_fds": (state_w,), "start_new_session": True}  # fmt: skip
+    try:
+        proc = subprocess.Popen(argv, cwd=req["cwd"], **kw)
+    except PermissionError:  # a folder the agent made unenterable: start where it can
+        proc = subprocess.Popen(argv, cwd=WORKSPACE if os.path.isdir(WORKSPACE) else "/", **kw)
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+    struct.pack_into("q", page, 0, proc.pid)
+    return {"rc": proc.wait()}
+
+
+def _launcher() -> Launcher | None:
+    """The launcher, started if it is not running (first command, after a reset or a
+    ``kill -9 -1``) or replaced if it is stopped; None if none can start (pids exhausted:
+    the command could not start either)."""
+    global _LAUNCHER
+    if _LAUNCHER is not None and not _LAUNCHER.ready():
+        stop_launcher()
+    if _LAUNCHER is None:
+        with contextlib.suppress(OSError):
+            _LAUNCHER = Launcher()
+    return _LAUNCHER
+
+
+def stop_launcher() -> None:
+    """Kill the launcher and reap it (before killing the agent's processes on purpose: it is
+    not the agent's, so it must not count as left behind)."""
+    global _LAUNCHER
+    if _LAUNCHER is not None:
+        _LAUNCHER.kill()
+        _LAUNCHER = None
 
 
 def reap() -> None:
@@ -308,10 +441,11 @@ def parse_state(blob: bytes, state: State) -> None:
 def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGENT_UID):
     """Run ``argv`` as ``uid`` in its own session until ``timeout_s``; read its output capped.
 
-    No ``setpriv`` exec on the way: the child drops to ``uid`` between fork and exec
-    (``Popen(user=, group=, extra_groups=[])``: setting every uid to a non-zero one clears
-    its capabilities, and ``main`` emptied the bounding set, so nothing exec'd can regain
-    one). An exec'd helper costs ~1.3 ms of CPU per command (see bench/sandbox_bench.py).
+    Started from this shell (grading: the tests as the grader's uid, the code under test as
+    the agent's), dropping to ``uid`` between fork and exec (``Popen(user=, group=,
+    extra_groups=[])``: setting every uid to a non-zero one clears its capabilities, and
+    ``main`` emptied the bounding set, so nothing exec'd can regain one). The agent's own
+    commands go through :func:`launch` instead.
 
     Returns (header, out, err, state_blob); header has exit_code, outcome, duration_ms."""
     ids = {"user": uid, "group": uid, "extra_groups": []} if PRIVILEGED else {}
@@ -337,14 +471,61 @@ def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGEN
     except OSError as e:
         for fd in (*pass_fds, out_w, err_w, *(fd for fd, _ in sinks)):
             os.close(fd)
-        err.feed(f"could not start the command: {e}".encode())
-        header = {"exit_code": None, "outcome": "ok", "duration_ms": 0.0, "spawn_error": True}
-        return header, out, err, state_blob
+        return _spawn_error(f"could not start the command: {e}", out, err, state_blob)
     for fd in (*pass_fds, out_w, err_w):
         os.close(fd)
-    timed_out = _pump(proc, sinks, started, started + timeout_s)
+    run = _Child(proc)
+    timed_out = _pump(run, sinks, started, started + timeout_s)
+    header = _ended(run.returncode, timed_out, started, timeout_s, oom_before)
+    return header, out, err, state_blob
+
+
+def launch(argv, state_at, *, env, cwd, timeout_s, cap, state_r, state_w):
+    """:func:`spawn` for the agent's commands: started by the :class:`Launcher` (already the
+    agent's uid: no fork of this shell). ``argv[state_at]`` is the state report's descriptor."""
+    oom_before = oom_kills()
+    started = time.monotonic()
+    out, err, state_blob = Capper(cap), Capper(cap), bytearray()
+    (out_r, out_w), (err_r, err_w) = pipe(), pipe()
+    sinks: list[tuple[int, Capper | bytearray]] = [(out_r, out), (err_r, err)]
+    sinks.append((state_r, state_blob))
+    fds = (out_w, err_w, state_w)
+    run = None
+    for _ in range(2):  # one that does not take the request (stopped meanwhile) is replaced
+        launcher = _launcher()
+        if launcher is None:
+            break
+        try:
+            launcher.launch(list(argv), state_at, env, cwd, fds)
+        except OSError:
+            stop_launcher()
+            continue
+        run = _Launched(launcher)
+        break
+    for fd in fds:
+        os.close(fd)
+    if run is None:
+        for fd, _ in sinks:
+            os.close(fd)
+        return _spawn_error("could not start the command: no process could be started for it",
+                            out, err, state_blob)  # fmt: skip
+    timed_out = _pump(run, sinks, started, started + timeout_s)
+    if run.error is not None:
+        return _spawn_error(f"could not start the command: {run.error}", out, err, state_blob)
+    # the launcher died with the command's other processes: a ``kill -9 -1`` (SIGKILL)
+    rc = -signal.SIGKILL if run.launcher_died else run.returncode
+    return _ended(rc, timed_out, started, timeout_s, oom_before), out, err, state_blob
+
+
+def _spawn_error(message: str, out: Capper, err: Capper, state_blob: bytearray):
+    err.feed(message.encode())
+    header = {"exit_code": None, "outcome": "ok", "duration_ms": 0.0, "spawn_error": True}
+    return header, out, err, state_blob
+
+
+def _ended(rc, timed_out: bool, started: float, timeout_s: float, oom_before: int) -> dict:
+    """The header of a finished command: exit code as a shell reports it, and outcome."""
     duration_ms = (time.monotonic() - started) * 1000
-    rc = proc.returncode
     outcome = "ok"
     if timed_out or (rc in (-9, 137) and duration_ms >= timeout_s * 1000 - 5):
         outcome, rc = "timed_out", None
@@ -352,7 +533,89 @@ def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGEN
         outcome = "oom_killed"
     if rc is not None and rc < 0:
         rc = 128 - rc  # report signals like a shell does (SIGKILL → 137)
-    return {"exit_code": rc, "outcome": outcome, "duration_ms": duration_ms}, out, err, state_blob
+    return {"exit_code": rc, "outcome": outcome, "duration_ms": duration_ms}
+
+
+class _Child:
+    """A command started by this shell, as :func:`_pump` watches it: its pidfd."""
+
+    launcher_died = False
+    error = None
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.exit_fd = os.pidfd_open(proc.pid)
+
+    @property
+    def returncode(self):
+        return self.proc.returncode
+
+    def pgid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> bool:
+        self.proc.wait()
+        return True
+
+    def abandon(self) -> None:
+        pass  # the SIGKILL at the deadline always ends it
+
+    def close(self) -> None:
+        os.close(self.exit_fd)
+        if self.proc.returncode is None:
+            self.proc.wait()
+
+
+class _Launched:
+    """A command the launcher started, as :func:`_pump` watches it: the launcher's socket
+    (its report when the command ends), or the command's pidfd once the launcher has died."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self.exit_fd = launcher.sock.fileno()
+        self.pidfd: int | None = None
+        self.returncode: int | None = None
+        self.error: str | None = None
+        self.launcher_died = False
+        self.pid = 0
+
+    def pgid(self) -> int:
+        """The command's pid, as the launcher wrote it, once it is known to be the agent's
+        (this shell SIGKILLs its group: never one of another uid's)."""
+        if not self.pid and not self.launcher_died:
+            pid = self.launcher.command_pid()
+            if pid > 1 and (not PRIVILEGED or _real_uid(pid) == AGENT_UID):
+                self.pid = pid
+        return self.pid
+
+    def exited(self) -> bool:
+        """``exit_fd`` is readable: True when the command has ended; False when there is
+        now another descriptor to watch (the launcher died: the command's own pidfd)."""
+        if self.pidfd is not None:
+            return True
+        reply = self.launcher.result()
+        if reply is not None:
+            self.returncode, self.error = reply.get("rc"), reply.get("error")
+            return True
+        pid = self.pgid()
+        self.launcher_died = True
+        stop_launcher()
+        if pid <= 0:
+            return True  # it died before starting the command
+        try:
+            self.pidfd = self.exit_fd = os.pidfd_open(pid)
+        except OSError:
+            return True  # already gone
+        return False
+
+    def abandon(self) -> None:
+        """The command outlived its SIGKILL by ``KILL_GRACE_S``: the launcher is stopped."""
+        if self.pidfd is None and _LAUNCHER is self.launcher:
+            os.kill(self.launcher.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
 
 
 def run_command(state: State, req: dict) -> tuple[dict, bytes]:
@@ -369,14 +632,16 @@ def run_command(state: State, req: dict) -> tuple[dict, bytes]:
     # by absolute path: Popen looks argv[0] up in the command's PATH, which the agent sets
     # (``export PATH=/nowhere`` must not leave every later command unable to start)
     argv = [_tool("bash"), "-c", PRELUDE, "bash", str(state_w), req["command"]]
-    if PRIVILEGED:
-        ensure_sentinel()
-    header, out, err, state_blob = spawn(
-        argv, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap, pass_fds=(state_w,),
-        state_r=state_r,
-    )  # fmt: skip
-    if PRIVILEGED and header["outcome"] == "ok" and sentinel_killed():
-        header["exit_code"] = 137  # ``kill -9 -1``: killed, like every process of the agent
+    if USE_LAUNCHER:
+        header, out, err, state_blob = launch(
+            argv, 4, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap, state_r=state_r,
+            state_w=state_w,
+        )  # fmt: skip
+    else:
+        header, out, err, state_blob = spawn(
+            argv, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap, pass_fds=(state_w,),
+            state_r=state_r,
+        )  # fmt: skip
     if clean or header.get("spawn_error"):  # a clean-environment run leaves the state alone
         return _exec_reply(header, out, err)
     saved = {k: state.env.get(k) for k in overrides}
@@ -415,9 +680,10 @@ def _drain(fd: int, sink) -> bool:
     return False
 
 
-def _pump(proc, sinks, started, deadline) -> bool:
-    """Read the command's pipes (``(fd, sink)`` pairs, closed here) until it exits; at
-    ``deadline`` SIGKILL its process group. True when it timed out.
+def _pump(run, sinks, started, deadline) -> bool:
+    """Read the command's pipes (``(fd, sink)`` pairs, closed here) until it exits (``run``:
+    :class:`_Child` or :class:`_Launched`); at ``deadline`` SIGKILL its process group. True
+    when it timed out.
 
     For ``QUIET_START_S`` only the command's exit wakes this shell: what it writes meanwhile
     waits in the pipes (``PIPE_BYTES`` each). A quick command thus costs one wake-up, where
@@ -425,20 +691,23 @@ def _pump(proc, sinks, started, deadline) -> bool:
     line at a time: 10-20 wake-ups for ``true``, each a trip through the run queue of a
     busy host). A command that outlives it is read as it writes, as before."""
     sel = selectors.DefaultSelector()
-    pidfd = os.pidfd_open(proc.pid)
-    sel.register(pidfd, selectors.EVENT_READ, None)
+    sel.register(run.exit_fd, selectors.EVENT_READ, None)
     for fd, _ in sinks:
         os.set_blocking(fd, False)
     watch_from = started + QUIET_START_S
     watching = False
     timed_out = False
     exited_at = None
+    abandoned = False
     try:
         while True:
             now = time.monotonic()
             if exited_at is None and now >= deadline:
-                _killpg(proc.pid)  # the whole group, as timeout(1) did (watchdog level 1)
+                _killpg(run.pgid())  # the whole group, as timeout(1) did (watchdog level 1)
                 timed_out = True
+                if now >= deadline + KILL_GRACE_S and not abandoned:
+                    run.abandon()
+                    abandoned = True
             if not watching and (exited_at is not None or now >= watch_from):
                 for fd, sink in sinks:
                     sel.register(fd, selectors.EVENT_READ, sink)
@@ -453,22 +722,24 @@ def _pump(proc, sinks, started, deadline) -> bool:
                     wait = min(wait, watch_from - now)
             for key, _ in sel.select(timeout=max(wait, 0.0)):
                 if key.data is None:
-                    proc.wait()
-                    exited_at = time.monotonic()
                     sel.unregister(key.fileobj)
+                    if run.exited():
+                        exited_at = time.monotonic()
+                    else:  # watch the command itself now
+                        sel.register(run.exit_fd, selectors.EVENT_READ, None)
                 elif _drain(key.fd, key.data):
                     sel.unregister(key.fileobj)
     finally:
         sel.close()
-        os.close(pidfd)
+        run.close()
         for fd, _ in sinks:
             os.close(fd)
-    if proc.returncode is None:
-        proc.wait()
     return timed_out
 
 
 def _killpg(pgid: int) -> None:
+    if pgid <= 1:  # not started yet (0 would be this shell's own group)
+        return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
 
@@ -500,24 +771,23 @@ def kill_everything_else() -> None:
     """SIGKILL every process this uid can signal except us and init (kill -9 -1)."""
     if not inside_sandbox():
         raise RuntimeError("refusing kill -1 outside a sandbox container")
-    stop_sentinel()
+    stop_launcher()
     for attempt in range(200):  # a fork bomb keeps forking while we kill
         try:
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
             break
         reap()
-        # short first: the killed (the sentinel at least) die within moments
+        # short first: the killed die within moments
         time.sleep(min(0.005, 0.0002 * 2**attempt))
     reap()
 
 
 def uid_processes(uid: int) -> list[int]:
-    """Pids of live (not zombie) processes whose real or effective uid is ``uid`` (not the
-    sentinel killed on purpose)."""
-    found, dying = [], str(_dying_sentinel())
+    """Pids of live (not zombie) processes whose real or effective uid is ``uid``."""
+    found = []
     for name in os.listdir("/proc"):
-        if not name.isdigit() or name == dying:
+        if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/status") as f:
@@ -541,7 +811,7 @@ def kill_uid(uid: int) -> int:
     if not PRIVILEGED:
         return 0
     if uid == AGENT_UID:
-        stop_sentinel()
+        stop_launcher()
     for _ in range(3):
         if not uid_processes(uid):  # only the supervisor starts this uid: none can appear
             return 0
@@ -892,10 +1162,11 @@ def listen(path: str):
 
 
 def main() -> None:
-    global PRIVILEGED, _LIBC
+    global PRIVILEGED, USE_LAUNCHER, _LIBC
     if "--takeover" in sys.argv:  # a previous shell may be hung: make room
         kill_everything_else()
     PRIVILEGED = os.geteuid() == 0 and inside_sandbox()
+    USE_LAUNCHER = PRIVILEGED or "--launcher" in sys.argv
     if PRIVILEGED:
         _LIBC = ctypes.CDLL(None, use_errno=True)
         drop_bounding_set()

@@ -277,6 +277,46 @@ async def _socket_unreachable(box: PodmanSandbox, config: SandboxConfig) -> Chec
     return CheckResult("supervisor_socket_closed", passed, f"agent: {r.stdout.strip()}; {left}")
 
 
+LAUNCHER_PROBE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+bash = os.getppid()  # the command's bash; its parent starts the agent's commands
+pid = int(open(f"/proc/{bash}/stat").read().rpartition(")")[2].split()[1])
+status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status") if ":" in line)
+print("uid", status["Uid"].split()[0], "capprm", status["CapPrm"].strip(),
+      "capeff", status["CapEff"].strip())
+print("title", open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")[0].decode())
+pidfd = libc.syscall(434, pid, 0)  # pidfd_open
+taken = [fd for fd in range(16) if libc.syscall(438, pidfd, fd, 0) >= 0]  # pidfd_getfd
+print("getfd", "ok" if taken else "refused")
+print("ptrace", "ok" if libc.ptrace(16, pid, 0, 0) == 0 else "refused")  # PTRACE_ATTACH
+for name in ("fd", "environ", "mem", "maps"):
+    try:
+        os.listdir(f"/proc/{pid}/fd") if name == "fd" else open(f"/proc/{pid}/{name}", "rb").read(1)
+        print(name, "ok")
+    except OSError:
+        print(name, "refused")
+"""
+"""What the agent can try on the process that starts its commands (the supervisor's
+``Launcher``, a process of the agent's own uid): it must hold no capability and refuse
+tracing, descriptor theft and memory reads (it is not dumpable)."""
+
+
+async def _launcher_sealed(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    await box.write_file("/tmp/.launcher.py", LAUNCHER_PROBE.encode())
+    r = await box.exec("python3 /tmp/.launcher.py", timeout_s=20)
+    seen = " ".join(r.stdout.split())
+    zero = "0000000000000000"
+    passed = (
+        r.ok
+        and f"uid 1000 capprm {zero} capeff {zero}" in seen
+        and "title sandpiper-launcher" in seen
+        and " ok" not in seen
+        and seen.count("refused") == 6
+    )
+    return CheckResult("launcher_sealed", passed, seen[:200])
+
+
 async def _ipc_capped(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
     """SysV IPC cannot hold more memory than the container's sysctls allow, and a shared
     memory segment goes with its last process (nothing fills memory behind the agent)."""
@@ -302,6 +342,7 @@ CHECKS: list[Check] = [
     _uid_separation,
     _supervisor_untouchable,
     _socket_unreachable,
+    _launcher_sealed,
     _grading_isolation,
     _logs_off,
     _ipc_capped,

@@ -146,6 +146,44 @@ def test_kill_all_is_reported_once_and_only_by_the_command_that_did_it(sandbox_p
     asyncio.run(go())
 
 
+def test_the_launcher_is_the_agents_own_and_gives_it_nothing(sandbox_pool):
+    """The process that starts the agent's commands has the agent's uid: the agent can stop
+    or kill it (and only harms itself: the next command gets a new one, the shell never
+    restarts), but it holds no capability and refuses tracing, descriptor theft and memory
+    reads; a reset leaves no launcher behind."""
+    from sandpiper.collector.sandbox.check import LAUNCHER_PROBE
+
+    async def go():
+        async with sandbox_pool(pool_size=1) as pool:
+            box = await pool.acquire(episode_id="e", task_id="t")
+            await box.write_file("/tmp/probe.py", LAUNCHER_PROBE.encode())
+            seen = " ".join((await box.exec("python3 /tmp/probe.py", timeout_s=20)).stdout.split())
+            zero = "0000000000000000"
+            assert f"uid 1000 capprm {zero} capeff {zero}" in seen, seen
+            assert "title sandpiper-launcher" in seen and " ok" not in seen, seen
+            assert seen.count("refused") == 6, seen
+            # aimed at "the supervisor" by name, the agent finds only the shell (another uid)
+            r = await box.exec("pkill -STOP -f 'supervis[o]r.py'; echo rc=$?", timeout_s=5)
+            assert r.outcome is ExecOutcome.OK and "rc=1" in r.stdout, r
+            # stopped between commands: replaced before the next one
+            r = await box.exec("(sleep 0.3; pkill -STOP -f sandpiper-launcher) >/dev/null 2>&1 &")
+            assert r.ok
+            await asyncio.sleep(1)
+            started = time.monotonic()
+            assert (await box.exec("echo ok", timeout_s=5)).stdout == "ok\n"
+            assert time.monotonic() - started < 2
+            # killed by the command: reported killed (137), the next command runs
+            r = await box.exec("kill -9 $PPID; echo after")
+            assert r.exit_code == 137 and r.stdout == "after\n", r
+            assert (await box.exec("echo ok")).stdout == "ok\n" and box.restarts == 0
+            await box.reset()
+            r = await box.exec("ps -eo user=,args= | grep -c '[s]andpiper-launcher'")
+            assert r.stdout.strip() == "1", r  # only the one that started this command
+            await pool.release(box)
+
+    asyncio.run(go())
+
+
 def test_background_process_does_not_survive_the_episode(sandbox_pool):
     async def go():
         async with sandbox_pool(pool_size=1) as pool:

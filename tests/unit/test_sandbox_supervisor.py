@@ -19,8 +19,8 @@ from sandpiper.collector.sandbox.podman import SUPERVISOR_HOST_PATH, _exec_resul
 
 
 class Shell:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(SUPERVISOR_HOST_PATH)],
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(SUPERVISOR_HOST_PATH), *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
         assert json.loads(self.proc.stdout.readline())["ready"]
 
@@ -36,9 +36,11 @@ class Shell:
         return _exec_result(*self.call(req))
 
 
-@pytest.fixture
-def shell():
-    s = Shell()
+@pytest.fixture(params=["launcher", "direct"])
+def shell(request):
+    """Both ways a command starts: through the launcher (as in a sandbox) and from the
+    shell itself (as grading starts its commands)."""
+    s = Shell("--launcher") if request.param == "launcher" else Shell()
     yield s
     s.proc.stdin.close()
     s.proc.wait(timeout=10)
@@ -182,3 +184,59 @@ def test_endless_writers_still_meet_the_deadline_and_the_drain(shell):
     took = time.monotonic() - started
     assert r.exit_code == 0 and "started" in r.stdout and took < 2, took
     # the shell closed its end of the pipe: the background writer dies of SIGPIPE
+
+
+@pytest.fixture
+def launched():
+    s = Shell("--launcher")
+    yield s
+    s.proc.stdin.close()
+    s.proc.wait(timeout=10)
+
+
+def test_commands_start_from_the_launcher_not_from_the_shell(launched):
+    """The command's parent is the launcher (a child of the shell), the same one each time."""
+    shell_pid = str(launched.proc.pid)
+    first = launched.exec("echo $PPID; ps -o ppid= -p $PPID").stdout.split()
+    second = launched.exec("echo $PPID").stdout.split()
+    assert first[1] == shell_pid and first[0] != shell_pid and second[0] == first[0]
+
+
+def test_a_command_that_kills_the_launcher_is_reported_killed_and_the_next_one_runs(launched):
+    r = launched.exec("kill -9 $PPID; echo after")
+    assert r.exit_code == 137 and r.outcome is ExecOutcome.OK and r.stdout == "after\n"
+    r = launched.exec("echo $PPID")
+    assert r.ok and r.stdout.strip().isdigit()
+
+
+def test_a_launcher_stopped_between_commands_is_replaced(launched):
+    import time
+
+    launcher = launched.exec("echo $PPID").stdout.strip()
+    r = launched.exec(f"(sleep 0.2; kill -STOP {launcher}) >/dev/null 2>&1 &")
+    assert r.ok
+    time.sleep(0.5)
+    started = time.monotonic()
+    r = launched.exec("echo $PPID", timeout_s=5)
+    assert r.ok and r.stdout.strip() != launcher and time.monotonic() - started < 1
+
+
+def test_a_launcher_stopped_during_a_command_costs_that_command_its_deadline(launched):
+    """The command stops its own launcher, which then cannot report its end: the command
+    runs to its deadline, then the launcher is killed and the next command gets a new one."""
+    import time
+
+    started = time.monotonic()
+    r = launched.exec("kill -STOP $PPID; echo stopped", timeout_s=1)
+    assert r.outcome is ExecOutcome.TIMED_OUT and r.stdout == "stopped\n"
+    assert time.monotonic() - started < 4
+    assert launched.exec("echo ok").stdout == "ok\n"
+
+
+def test_large_environments_and_every_byte_reach_the_launched_command(launched):
+    """The request travels as one length-prefixed message: a 100 KB exported value (over a
+    socket buffer's worth with the rest) and non-UTF-8 bytes arrive intact."""
+    r = launched.exec("export BIG=$(head -c 100000 /dev/zero | tr '\\0' x); X=$'\\xff\\x01'")
+    assert r.ok
+    r = launched.exec('echo ${#BIG}; printf %s "$X" | od -An -tx1')
+    assert r.stdout.split() == ["100000", "ff", "01"]
