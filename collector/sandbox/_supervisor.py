@@ -1175,6 +1175,8 @@ def main() -> None:
         os.setgroups([])  # no supplementary groups reach the agent-facing file operations
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     state = State()
+    if USE_LAUNCHER:
+        _launcher()  # before the first command (a fork of this shell: ~1-2 ms, once)
     if "--listen" in sys.argv:
         stdin, stdout = listen(sys.argv[sys.argv.index("--listen") + 1])
     else:
@@ -1195,6 +1197,8 @@ def main() -> None:
         stdout.write(json.dumps(header).encode() + b"\n")
         stdout.write(out)
         stdout.flush()
+        if USE_LAUNCHER and _LAUNCHER is None:  # gone with a reset, a grade or a kill -9 -1:
+            _launcher()  # the next command should not wait for a new one (not this reply)
 
 
 if __name__ == "__main__":
