@@ -108,6 +108,47 @@ last with the final code): ``shell_overhead_ms_p50`` 27.3 / 42.6 / 37.5 / 27.0 /
 c=1 overhead p50 2.0-4.8 -> 1.4-2.1 ms. Bare bash at 16: p50 15.4-19.6, p99 21-29 ms. Goals:
 speed-up ≥ 50 met (every run), p50 better, p99 overhead ≤ 20 ms at 16 not met (38-47 ms).
 
+Round 4 (2026-11-27, session 9): the fork. Per ``true`` at c=1 in a container (``/proc``
+CPU of the supervisor and of what it reaps, the container's ``cpuacct.usage``): the
+supervisor 1.26 ms, its children 2.10 ms, 3.36 ms in all, where a ``bash -c true`` costs
+~1.1 ms. The same ``run_command`` run 400 times inside a container from a script, with the
+uid change and without (everything else equal): 1.36-1.40 ms parent / 1.99-2.16 ms children
+with it, 0.34-0.35 / 1.41-1.47 ms without. ``Popen(user=...)`` forks, and the parent then
+runs Python (refcounts) while the child has not yet exec'd, so most of what it touches is
+copied; without a uid change CPython uses ``vfork``. So the agent's commands now start from
+``_supervisor.Launcher``: a child of the supervisor, forked once, that drops to the agent's
+uid and starts each command with ``vfork`` (no uid change left to make), reports its exit
+status over a socket pair and writes its pid to a page shared with the supervisor (for the
+deadline's SIGKILL). It replaces the sentinel: it dies with ``kill -9 -1`` as the sentinel
+did. After: container 1.86-1.97 ms per ``true`` (supervisor 0.28-0.32, launcher 0.17, bash
+and its prelude 1.40), -41 %. What the agent can do to a process of its own uid is in
+docs/security.md (it can kill or stop it, only to its own harm; it cannot trace it, read it
+or take its descriptors: it is not dumpable).
+
+Alternated on a quiet machine (load 0.7-0.9 before the first run; the bench brings it to
+4-8), old code (088684a) / new, ``.venv/bin/python bench/sandbox_bench.py --json``,
+2026-11-27 07:53-08:17 UTC. First four pairs with the launcher started on the first
+command, then three with the final code (started before the first command and again after a
+reset):
+
+- ``shell_overhead_ms_p99`` (goal ≤ 20): 32.0 / 31.5 / 32.3 / 33.2 -> 24.3 / 21.0 / 20.1 /
+  22.4 ms; final code 34.2 / 32.4 / 37.1 -> 21.1 / 30.7 / 20.3 ms: not met (20.1-30.7);
+- ``shell_overhead_ms_p50``: 10.0-13.2 -> 0.8-2.7 ms; c=1 0.6-1.1 vs 1.3-2.0 ms;
+- ``speedup_vs_podman_exec``: 48.4-68.9 -> 58.8-96.4; shell commands/s at 16: 519-601 ->
+  779-848 (+40 %); c=16 shell p99 54.8-62.2 -> 43.5-58.8 ms;
+- **c=8 p99 got worse: 28.1-36.1 -> 48.4-72.0 ms** (p50 12.7-15.3 -> 4.7-6.4 ms, mean
+  ~13 -> ~9.5 ms by the throughput). Traced by stage (supervisor and launcher timestamps on
+  the shared monotonic clock): the slow 1-2 % of commands wait 40-170 ms on a run queue in
+  the launcher (taking the request, or reporting the exit) or in bash, in every sandbox
+  alike; the containers are never throttled (``nr_throttled`` 0). With one more process per
+  command in each sandbox's cgroup the scheduler (EEVDF, kernel 6.18) shares the two cores
+  less evenly at 8: faster on average, a longer tail. Tried without effect: the launcher
+  reporting nothing (the supervisor waiting on the command's pidfd and reading its exit
+  status from ``/proc/PID/stat`` with the agent's fsuid), ``SCHED_BATCH`` for the launcher
+  and its commands, ``gc.freeze``/``gc.disable`` in the launcher.
+- ``reset_ms_p50`` 1.1-1.3 -> 1.7-1.9 ms with the final code (a reset's next request waits
+  for the launcher's fork, done after the reply).
+
 ``--grading`` measures only what grading and episode turnaround cost (issue 14), on 2
 containers, with a 1 MiB workspace and a trivial test:
 
