@@ -145,7 +145,8 @@ reset):
   less evenly at 8: faster on average, a longer tail. Tried without effect: the launcher
   reporting nothing (the supervisor waiting on the command's pidfd and reading its exit
   status from ``/proc/PID/stat`` with the agent's fsuid), ``SCHED_BATCH`` for the launcher
-  and its commands, ``gc.freeze``/``gc.disable`` in the launcher.
+  and its commands, a 0.5 ms EEVDF slice for them (``sched_setattr``, accepted by the kernel),
+  ``gc.freeze``/``gc.disable`` in the launcher.
 - ``reset_ms_p50`` 1.1-1.3 -> 1.7-1.9 ms with the final code (a reset's next request waits
   for the launcher's fork, done after the reply).
 
