@@ -480,13 +480,26 @@ def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGEN
     return header, out, err, state_blob
 
 
-def launch(argv, state_at, *, env, cwd, timeout_s, cap, state_r, state_w):
+def launch(argv, state_at, *, env, cwd, timeout_s, cap):
     """:func:`spawn` for the agent's commands: started by the :class:`Launcher` (already the
-    agent's uid: no fork of this shell). ``argv[state_at]`` is the state report's descriptor."""
+    agent's uid: no fork of this shell). ``argv[state_at]`` is the state report's descriptor.
+
+    A launcher that cannot start the command is replaced and the command tried once more:
+    the agent can lower its own processes' limits (``prlimit`` on the launcher: no file
+    descriptors, no processes), and a fresh launcher has the shell's."""
+    for attempt in range(2):
+        header, out, err, state_blob = _launch_once(argv, state_at, env, cwd, timeout_s, cap)
+        if not header.get("spawn_error") or attempt:
+            break
+        stop_launcher()
+    return header, out, err, state_blob
+
+
+def _launch_once(argv, state_at, env, cwd, timeout_s, cap):
     oom_before = oom_kills()
     started = time.monotonic()
     out, err, state_blob = Capper(cap), Capper(cap), bytearray()
-    (out_r, out_w), (err_r, err_w) = pipe(), pipe()
+    (out_r, out_w), (err_r, err_w), (state_r, state_w) = pipe(), pipe(), pipe()
     sinks: list[tuple[int, Capper | bytearray]] = [(out_r, out), (err_r, err)]
     sinks.append((state_r, state_blob))
     fds = (out_w, err_w, state_w)
@@ -628,16 +641,16 @@ def run_command(state: State, req: dict) -> tuple[dict, bytes]:
     env = dict(BASE_ENV) if clean else dict(state.env)
     overrides = req.get("env") or {}
     env.update(overrides)
-    state_r, state_w = pipe()
     # by absolute path: Popen looks argv[0] up in the command's PATH, which the agent sets
     # (``export PATH=/nowhere`` must not leave every later command unable to start)
-    argv = [_tool("bash"), "-c", PRELUDE, "bash", str(state_w), req["command"]]
+    argv = [_tool("bash"), "-c", PRELUDE, "bash", "STATE_FD", req["command"]]
     if USE_LAUNCHER:
         header, out, err, state_blob = launch(
-            argv, 4, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap, state_r=state_r,
-            state_w=state_w,
-        )  # fmt: skip
+            argv, 4, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap
+        )
     else:
+        state_r, state_w = pipe()
+        argv[4] = str(state_w)
         header, out, err, state_blob = spawn(
             argv, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap, pass_fds=(state_w,),
             state_r=state_r,

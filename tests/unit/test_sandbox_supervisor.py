@@ -240,3 +240,15 @@ def test_large_environments_and_every_byte_reach_the_launched_command(launched):
     assert r.ok
     r = launched.exec('echo ${#BIG}; printf %s "$X" | od -An -tx1')
     assert r.stdout.split() == ["100000", "ff", "01"]
+
+
+def test_a_launcher_whose_limits_the_agent_lowered_is_replaced(launched):
+    """``prlimit`` works on a process of one's own uid: a launcher left without descriptors
+    cannot take a command's pipes, so the command goes to a fresh launcher instead."""
+    launcher = launched.exec("echo $PPID").stdout.strip()
+    r = launched.exec(
+        f"python3 -c 'import resource as r; r.prlimit({launcher}, r.RLIMIT_NOFILE, (3, 3))'"
+    )
+    assert r.ok, r
+    r = launched.exec("echo $PPID")
+    assert r.ok and r.stdout.strip() not in ("", launcher), r
