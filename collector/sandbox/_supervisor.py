@@ -24,7 +24,7 @@ they write after their command returned is not collected (redirect it to a file)
 
 Users: the supervisor runs as container root (an unprivileged host uid) holding only the
 capabilities it needs to manage the container (chown, DAC override, fowner, kill, setuid,
-setgid, setpcap). Every agent command runs as ``AGENT_UID`` (dropped between fork and exec)
+setgid, setpcap). Every agent command runs as ``AGENT_UID`` (started by the launcher, which has it)
 with no capabilities and an empty bounding set, so the agent cannot trace, signal or borrow
 the file descriptors of the supervisor; the agent-facing file operations (the editor, seed files) run
 with the agent's file-system uid, so they have exactly the agent's rights. Grading

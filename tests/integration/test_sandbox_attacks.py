@@ -128,7 +128,7 @@ def test_kill_all_processes_leaves_init_and_a_working_shell(sandbox_pool):
 
 
 def test_kill_all_is_reported_once_and_only_by_the_command_that_did_it(sandbox_pool):
-    """No ``timeout(1)`` parent: a sentinel of the agent's uid tells a ``kill -9 -1`` (builtin
+    """No ``timeout(1)`` parent: the launcher, of the agent's uid, tells a ``kill -9 -1`` (builtin
     or ``/bin/kill``); the commands after it, a reset and a grade-time kill are not killed."""
 
     async def go():
