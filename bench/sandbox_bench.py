@@ -125,18 +125,19 @@ and its prelude 1.40), -41 %. What the agent can do to a process of its own uid 
 docs/security.md (it can kill or stop it, only to its own harm; it cannot trace it, read it
 or take its descriptors: it is not dumpable).
 
-Alternated on a quiet machine (load 0.7-0.9 before the first run; the bench brings it to
-4-8), old code (088684a) / new, ``.venv/bin/python bench/sandbox_bench.py --json``,
-2026-11-27 07:53-08:17 UTC. First four pairs with the launcher started on the first
-command, then three with the final code (started before the first command and again after a
-reset):
+Alternated on a quiet machine (load 0.03-0.9 before the first run of a set; the bench
+itself brings it to 4-10), old code (088684a) / new, ``.venv/bin/python
+bench/sandbox_bench.py --json``, 2026-11-27 07:53-08:17 and 08:53-09:01 UTC, ten pairs:
+four with the launcher started on the first command, six with it started before (the last
+three with the final code):
 
-- ``shell_overhead_ms_p99`` (goal ≤ 20): 32.0 / 31.5 / 32.3 / 33.2 -> 24.3 / 21.0 / 20.1 /
-  22.4 ms; final code 34.2 / 32.4 / 37.1 -> 21.1 / 30.7 / 20.3 ms: not met (20.1-30.7);
-- ``shell_overhead_ms_p50``: 10.0-13.2 -> 0.8-2.7 ms; c=1 0.6-1.1 vs 1.3-2.0 ms;
+- ``shell_overhead_ms_p99`` (goal ≤ 20): 32.0 / 31.5 / 32.3 / 33.2 / 34.2 / 32.4 / 37.1 /
+  33.1 / 37.6 / 35.9 -> 24.3 / 21.0 / 20.1 / 22.4 / 21.1 / 30.7 / 20.3 / 34.9 / 21.8 / 25.1
+  ms (medians 33.2 -> 22.1): not met;
+- ``shell_overhead_ms_p50``: 10.0-13.2 -> 0.4-2.9 ms; c=1 0.5-1.1 vs 1.3-2.0 ms;
 - ``speedup_vs_podman_exec``: 48.4-68.9 -> 58.8-96.4; shell commands/s at 16: 519-601 ->
-  779-848 (+40 %); c=16 shell p99 54.8-62.2 -> 43.5-58.8 ms;
-- **c=8 p99 got worse: 28.1-36.1 -> 48.4-72.0 ms** (p50 12.7-15.3 -> 4.7-6.4 ms, mean
+  779-848 (+40 %); c=16 shell p99 54.8-62.8 -> 43.5-58.8 ms;
+- **c=8 p99 got worse: 27.9-38.6 -> 48.4-72.0 ms** (p50 12.7-15.3 -> 4.7-6.4 ms, mean
   ~13 -> ~9.5 ms by the throughput). Traced by stage (supervisor and launcher timestamps on
   the shared monotonic clock): the slow 1-2 % of commands wait 40-170 ms on a run queue in
   the launcher (taking the request, or reporting the exit) or in bash, in every sandbox
@@ -147,7 +148,7 @@ reset):
   status from ``/proc/PID/stat`` with the agent's fsuid), ``SCHED_BATCH`` for the launcher
   and its commands, a 0.5 ms EEVDF slice for them (``sched_setattr``, accepted by the kernel),
   ``gc.freeze``/``gc.disable`` in the launcher.
-- ``reset_ms_p50`` 1.1-1.3 -> 1.7-1.9 ms with the final code (a reset's next request waits
+- ``reset_ms_p50`` 1.0-1.3 -> 1.7-2.0 ms once the launcher starts after a reset (a reset's next request waits
   for the launcher's fork, done after the reply).
 
 ``--grading`` measures only what grading and episode turnaround cost (issue 14), on 2
