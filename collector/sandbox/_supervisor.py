@@ -150,9 +150,6 @@ DRAIN_AFTER_EXIT_S = 0.05
 """How long to keep reading pipes held open by background processes after the command."""
 _TOOLS: dict[str, str] = {}
 PR_SET_PDEATHSIG = 1
-USE_LAUNCHER = False
-"""Agent commands start through :class:`Launcher` (set in ``main``: in a sandbox, or with
-``--launcher``)."""
 
 
 class Capper:
@@ -449,8 +446,7 @@ def spawn(argv, *, env, cwd, timeout_s, cap, pass_fds=(), state_r=None, uid=AGEN
 
     Returns (header, out, err, state_blob); header has exit_code, outcome, duration_ms."""
     ids = {"user": uid, "group": uid, "extra_groups": []} if PRIVILEGED else {}
-    oom_before = oom_kills()
-    started = time.monotonic()
+    oom_before, started = oom_kills(), time.monotonic()
     out, err, state_blob = Capper(cap), Capper(cap), bytearray()
     (out_r, out_w), (err_r, err_w) = pipe(), pipe()
     sinks: list[tuple[int, Capper | bytearray]] = [(out_r, out), (err_r, err)]
@@ -484,9 +480,10 @@ def launch(argv, state_at, *, env, cwd, timeout_s, cap):
     """:func:`spawn` for the agent's commands: started by the :class:`Launcher` (already the
     agent's uid: no fork of this shell). ``argv[state_at]`` is the state report's descriptor.
 
-    A launcher that cannot start the command is replaced and the command tried once more:
-    the agent can lower its own processes' limits (``prlimit`` on the launcher: no file
-    descriptors, no processes), and a fresh launcher has the shell's."""
+    A launcher that does not take the command (stopped or killed meanwhile) or cannot start
+    it is replaced and the command tried once more: the agent can lower its own processes'
+    limits (``prlimit`` on the launcher: no file descriptors, no processes), and a fresh
+    launcher has the shell's."""
     for attempt in range(2):
         header, out, err, state_blob = _launch_once(argv, state_at, env, cwd, timeout_s, cap)
         if not header.get("spawn_error") or attempt:
@@ -496,32 +493,24 @@ def launch(argv, state_at, *, env, cwd, timeout_s, cap):
 
 
 def _launch_once(argv, state_at, env, cwd, timeout_s, cap):
-    oom_before = oom_kills()
-    started = time.monotonic()
+    oom_before, started = oom_kills(), time.monotonic()
     out, err, state_blob = Capper(cap), Capper(cap), bytearray()
     (out_r, out_w), (err_r, err_w), (state_r, state_w) = pipe(), pipe(), pipe()
     sinks: list[tuple[int, Capper | bytearray]] = [(out_r, out), (err_r, err)]
     sinks.append((state_r, state_blob))
-    fds = (out_w, err_w, state_w)
-    run = None
-    for _ in range(2):  # one that does not take the request (stopped meanwhile) is replaced
-        launcher = _launcher()
+    launcher = _launcher()
+    try:
         if launcher is None:
-            break
-        try:
-            launcher.launch(list(argv), state_at, env, cwd, fds)
-        except OSError:
-            stop_launcher()
-            continue
-        run = _Launched(launcher)
-        break
-    for fd in fds:
-        os.close(fd)
-    if run is None:
+            raise OSError("no process can be started")
+        launcher.launch(list(argv), state_at, env, cwd, (out_w, err_w, state_w))
+    except OSError as e:
         for fd, _ in sinks:
             os.close(fd)
-        return _spawn_error("could not start the command: no process could be started for it",
-                            out, err, state_blob)  # fmt: skip
+        return _spawn_error(f"could not start the command: {e}", out, err, state_blob)
+    finally:
+        for fd in (out_w, err_w, state_w):
+            os.close(fd)
+    run = _Launched(launcher)
     timed_out = _pump(run, sinks, started, started + timeout_s)
     if run.error is not None:
         return _spawn_error(f"could not start the command: {run.error}", out, err, state_blob)
@@ -644,17 +633,7 @@ def run_command(state: State, req: dict) -> tuple[dict, bytes]:
     # by absolute path: Popen looks argv[0] up in the command's PATH, which the agent sets
     # (``export PATH=/nowhere`` must not leave every later command unable to start)
     argv = [_tool("bash"), "-c", PRELUDE, "bash", "STATE_FD", req["command"]]
-    if USE_LAUNCHER:
-        header, out, err, state_blob = launch(
-            argv, 4, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap
-        )
-    else:
-        state_r, state_w = pipe()
-        argv[4] = str(state_w)
-        header, out, err, state_blob = spawn(
-            argv, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap, pass_fds=(state_w,),
-            state_r=state_r,
-        )  # fmt: skip
+    header, out, err, state_blob = launch(argv, 4, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap)
     if clean or header.get("spawn_error"):  # a clean-environment run leaves the state alone
         return _exec_reply(header, out, err)
     saved = {k: state.env.get(k) for k in overrides}
@@ -1175,11 +1154,10 @@ def listen(path: str):
 
 
 def main() -> None:
-    global PRIVILEGED, USE_LAUNCHER, _LIBC
+    global PRIVILEGED, _LIBC
     if "--takeover" in sys.argv:  # a previous shell may be hung: make room
         kill_everything_else()
     PRIVILEGED = os.geteuid() == 0 and inside_sandbox()
-    USE_LAUNCHER = PRIVILEGED or "--launcher" in sys.argv
     if PRIVILEGED:
         _LIBC = ctypes.CDLL(None, use_errno=True)
         drop_bounding_set()
@@ -1188,8 +1166,7 @@ def main() -> None:
         os.setgroups([])  # no supplementary groups reach the agent-facing file operations
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     state = State()
-    if USE_LAUNCHER:
-        _launcher()  # before the first command (a fork of this shell: ~1-2 ms, once)
+    _launcher()  # before the first command (a fork of this shell: ~1-2 ms, once)
     if "--listen" in sys.argv:
         stdin, stdout = listen(sys.argv[sys.argv.index("--listen") + 1])
     else:
@@ -1210,7 +1187,7 @@ def main() -> None:
         stdout.write(json.dumps(header).encode() + b"\n")
         stdout.write(out)
         stdout.flush()
-        if USE_LAUNCHER and _LAUNCHER is None:  # gone with a reset, a grade or a kill -9 -1:
+        if _LAUNCHER is None:  # gone with a reset, a grade or a kill -9 -1:
             _launcher()  # the next command should not wait for a new one (not this reply)
 
 

@@ -19,8 +19,8 @@ from sandpiper.collector.sandbox.podman import SUPERVISOR_HOST_PATH, _exec_resul
 
 
 class Shell:
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(SUPERVISOR_HOST_PATH), *args],
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(SUPERVISOR_HOST_PATH)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
         assert json.loads(self.proc.stdout.readline())["ready"]
 
@@ -36,11 +36,9 @@ class Shell:
         return _exec_result(*self.call(req))
 
 
-@pytest.fixture(params=["launcher", "direct"])
-def shell(request):
-    """Both ways a command starts: through the launcher (as in a sandbox) and from the
-    shell itself (as grading starts its commands)."""
-    s = Shell("--launcher") if request.param == "launcher" else Shell()
+@pytest.fixture
+def shell():
+    s = Shell()
     yield s
     s.proc.stdin.close()
     s.proc.wait(timeout=10)
@@ -186,69 +184,61 @@ def test_endless_writers_still_meet_the_deadline_and_the_drain(shell):
     # the shell closed its end of the pipe: the background writer dies of SIGPIPE
 
 
-@pytest.fixture
-def launched():
-    s = Shell("--launcher")
-    yield s
-    s.proc.stdin.close()
-    s.proc.wait(timeout=10)
-
-
-def test_commands_start_from_the_launcher_not_from_the_shell(launched):
+def test_commands_start_from_the_launcher_not_from_the_shell(shell):
     """The command's parent is the launcher (a child of the shell), the same one each time."""
-    shell_pid = str(launched.proc.pid)
-    first = launched.exec("echo $PPID; ps -o ppid= -p $PPID").stdout.split()
-    second = launched.exec("echo $PPID").stdout.split()
+    shell_pid = str(shell.proc.pid)
+    first = shell.exec("echo $PPID; ps -o ppid= -p $PPID").stdout.split()
+    second = shell.exec("echo $PPID").stdout.split()
     assert first[1] == shell_pid and first[0] != shell_pid and second[0] == first[0]
 
 
-def test_a_command_that_kills_the_launcher_is_reported_killed_and_the_next_one_runs(launched):
-    r = launched.exec("kill -9 $PPID; echo after")
+def test_a_command_that_kills_the_launcher_is_reported_killed_and_the_next_one_runs(shell):
+    r = shell.exec("kill -9 $PPID; echo after")
     assert r.exit_code == 137 and r.outcome is ExecOutcome.OK and r.stdout == "after\n"
-    r = launched.exec("echo $PPID")
+    r = shell.exec("echo $PPID")
     assert r.ok and r.stdout.strip().isdigit()
 
 
-def test_a_launcher_stopped_between_commands_is_replaced(launched):
+def test_a_launcher_stopped_between_commands_is_replaced(shell):
     import time
 
-    launcher = launched.exec("echo $PPID").stdout.strip()
-    r = launched.exec(f"(sleep 0.2; kill -STOP {launcher}) >/dev/null 2>&1 &")
+    launcher = shell.exec("echo $PPID").stdout.strip()
+    r = shell.exec(f"(sleep 0.2; kill -STOP {launcher}) >/dev/null 2>&1 &")
     assert r.ok
     time.sleep(0.5)
     started = time.monotonic()
-    r = launched.exec("echo $PPID", timeout_s=5)
+    r = shell.exec("echo $PPID", timeout_s=5)
     assert r.ok and r.stdout.strip() != launcher and time.monotonic() - started < 1
 
 
-def test_a_launcher_stopped_during_a_command_costs_that_command_its_deadline(launched):
+def test_a_launcher_stopped_during_a_command_costs_that_command_its_deadline(shell):
     """The command stops its own launcher, which then cannot report its end: the command
     runs to its deadline, then the launcher is killed and the next command gets a new one."""
     import time
 
     started = time.monotonic()
-    r = launched.exec("kill -STOP $PPID; echo stopped", timeout_s=1)
+    r = shell.exec("kill -STOP $PPID; echo stopped", timeout_s=1)
     assert r.outcome is ExecOutcome.TIMED_OUT and r.stdout == "stopped\n"
     assert time.monotonic() - started < 4
-    assert launched.exec("echo ok").stdout == "ok\n"
+    assert shell.exec("echo ok").stdout == "ok\n"
 
 
-def test_large_environments_and_every_byte_reach_the_launched_command(launched):
+def test_large_environments_and_every_byte_reach_the_launched_command(shell):
     """The request travels as one length-prefixed message: a 100 KB exported value (over a
     socket buffer's worth with the rest) and non-UTF-8 bytes arrive intact."""
-    r = launched.exec("export BIG=$(head -c 100000 /dev/zero | tr '\\0' x); X=$'\\xff\\x01'")
+    r = shell.exec("export BIG=$(head -c 100000 /dev/zero | tr '\\0' x); X=$'\\xff\\x01'")
     assert r.ok
-    r = launched.exec('echo ${#BIG}; printf %s "$X" | od -An -tx1')
+    r = shell.exec('echo ${#BIG}; printf %s "$X" | od -An -tx1')
     assert r.stdout.split() == ["100000", "ff", "01"]
 
 
-def test_a_launcher_whose_limits_the_agent_lowered_is_replaced(launched):
+def test_a_launcher_whose_limits_the_agent_lowered_is_replaced(shell):
     """``prlimit`` works on a process of one's own uid: a launcher left without descriptors
     cannot take a command's pipes, so the command goes to a fresh launcher instead."""
-    launcher = launched.exec("echo $PPID").stdout.strip()
-    r = launched.exec(
+    launcher = shell.exec("echo $PPID").stdout.strip()
+    r = shell.exec(
         f"python3 -c 'import resource as r; r.prlimit({launcher}, r.RLIMIT_NOFILE, (3, 3))'"
     )
     assert r.ok, r
-    r = launched.exec("echo $PPID")
+    r = shell.exec("echo $PPID")
     assert r.ok and r.stdout.strip() not in ("", launcher), r
