@@ -293,6 +293,7 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 continue
             break
+        _wait_group_gone(proc.pid, timeout_s=5.0)
         self._pid_file().unlink(missing_ok=True)
         log.info("stopped vLLM pid %d on %s", proc.pid, self.url)
 
@@ -349,3 +350,19 @@ async def start_servers(
 def _check(response: httpx.Response, what: str) -> None:
     if response.status_code != 200:
         raise InferenceError(f"{what} failed: HTTP {response.status_code}: {response.text[:500]}")
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Wait until no process of group ``pgid`` is left (bounded): the SIGKILL sent to the
+    leader's children is asynchronous, and one of them can hold the server's listening
+    socket for a moment, so a caller that starts a server on the same port, or checks that
+    the port is free, would otherwise race it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            return  # the group id was reused by another user's processes: ours are gone
+        time.sleep(0.02)
