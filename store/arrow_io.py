@@ -138,6 +138,27 @@ def _check_turn(group_id: str, episode_id: str, turn) -> None:
             )
 
 
+def _repeating_owner(indexes: Sequence[int], n_per_owner: Sequence[int]) -> int | None:
+    """The position of the first owner (an episode of turns, a turn of tool calls) in which
+    an index repeats; None when none does. This is the check the tables' keys made (see
+    ``store/schema.py``). One vectorised pass when every owner's indexes rise, the usual
+    case; owner by owner otherwise (out of order is allowed, a repeat is not)."""
+    idx = np.asarray(indexes, np.int64)
+    if len(idx) < 2:
+        return None
+    first = np.zeros(len(idx), bool)
+    starts = np.cumsum(n_per_owner)[:-1]
+    first[starts[starts < len(idx)]] = True
+    if ((np.diff(idx) > 0) | first[1:]).all():
+        return None
+    pos = 0
+    for k, n in enumerate(n_per_owner):
+        if len(np.unique(idx[pos : pos + n])) != n:
+            return k
+        pos += n
+    return None
+
+
 def group_status(group: GroupRecord) -> GroupStatus:
     n_valid = sum(e.valid for e in group.episodes)
     if group.split == Split.TRAIN and n_valid < MIN_VALID_FOR_ADVANTAGE:
@@ -194,7 +215,15 @@ def convert_groups(
     turns_group = [g for g in groups for e in g.episodes for _ in e.turns]
     for g, e, t in zip(turns_group, turns_episode, turns, strict=True):
         _check_turn(g.group_id, e.episode_id, t)
-    versions = _versions([t.policy_versions_T for t in turns], [len(e.turns) for e in eps])
+    turns_per_episode = [len(e.turns) for e in eps]
+    turn_index = [t.index for t in turns]
+    k = _repeating_owner(turn_index, turns_per_episode)
+    if k is not None:
+        raise StoreError(
+            f"{eps_group[k].group_id}/{eps[k].episode_id}: a turn index repeats "
+            f"({[t.index for t in eps[k].turns]})"
+        )
+    versions = _versions([t.policy_versions_T for t in turns], turns_per_episode)
     ep_ranges = versions.episode_ranges
     g_ranges: dict[str, list[tuple[int, int]]] = {g.group_id: [] for g in groups}
     for g, r in zip(eps_group, ep_ranges, strict=True):
@@ -252,7 +281,7 @@ def convert_groups(
     }
     t_cols = {
         "episode_id": [e.episode_id for e in turns_episode],
-        "turn_index": [t.index for t in turns],
+        "turn_index": turn_index,
         "group_id": [g.group_id for g in turns_group],
         "role": [str(t.role) for t in turns],
         "text": [t.text for t in turns],
@@ -269,10 +298,17 @@ def convert_groups(
     calls_turn = [t for t in turns for _ in t.tool_calls]
     calls_episode = [e for e, t in zip(turns_episode, turns, strict=True) for _ in t.tool_calls]
     calls_group = [g for g, t in zip(turns_group, turns, strict=True) for _ in t.tool_calls]
+    call_index = [c.index for c in calls]
+    k = _repeating_owner(call_index, [len(t.tool_calls) for t in turns])
+    if k is not None:
+        raise StoreError(
+            f"{turns_group[k].group_id}/{turns_episode[k].episode_id} turn {turns[k].index}: "
+            f"a tool call index repeats ({[c.index for c in turns[k].tool_calls]})"
+        )
     c_cols = {
         "episode_id": [e.episode_id for e in calls_episode],
         "turn_index": [t.index for t in calls_turn],
-        "call_index": [c.index for c in calls],
+        "call_index": call_index,
         "group_id": [g.group_id for g in calls_group],
         "name": [c.name for c in calls],
         "arguments": [c.arguments_json for c in calls],

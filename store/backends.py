@@ -191,14 +191,8 @@ class DuckDBBackend:
         if len(new) == 0:
             return new
         for name, table in _keep_new(tables, new).items():
-            if table.num_rows == 0:
-                continue
-            cols = ", ".join(f'"{c}"' for c in table.column_names)
-            raw.register("_in_rows", table)
-            try:
-                raw.execute(f'INSERT INTO "{name}" ({cols}) SELECT {cols} FROM _in_rows')
-            finally:
-                raw.unregister("_in_rows")
+            if table.num_rows:
+                _duckdb_insert(raw, name, table)
         return new
 
     def in_list(self, column: str, values: list[str]) -> tuple[str, list]:
@@ -314,9 +308,21 @@ def insert_arrow(conn: sa.Connection, name: str, table: pa.Table) -> None:
     if conn.dialect.name == "postgresql":
         copy_arrow(conn, name, table)
         return
-    raw = _raw(conn)
+    _duckdb_insert(_raw(conn), name, table)
+
+
+def _duckdb_insert(raw: Any, name: str, table: pa.Table) -> None:
+    """``INSERT … SELECT`` from ``table`` registered with DuckDB, handed over in record
+    batches of one row group each (slices: no copy).
+
+    Why batches: DuckDB scans a registered Arrow table one record batch per thread, and the
+    writer's tables arrive as one batch each, so the insert (and the zstd of the turns'
+    packed arrays) ran on one core. Measured (2,000 trajectories × 20 turns × 500 tokens,
+    2 cores, quiet machine): the turns insert 0.23 → 0.12 s wall (CPU unchanged), the file
+    no larger; order is kept (``preserve_insertion_order``, DuckDB's default)."""
+    batches = table.to_batches(max_chunksize=ROW_GROUP_ROWS)
     cols = ", ".join(f'"{c}"' for c in table.column_names)
-    raw.register("_in_rows", table)
+    raw.register("_in_rows", pa.Table.from_batches(batches, table.schema))
     try:
         raw.execute(f'INSERT INTO "{name}" ({cols}) SELECT {cols} FROM _in_rows')
     finally:

@@ -115,6 +115,34 @@ def _collector_policy_version(conn: sa.Connection) -> None:
         conn.execute(sa.text("ALTER TABLE collectors ADD COLUMN policy_version INTEGER"))
 
 
+@migration(6)
+def _duckdb_bulk_tables_without_keys(conn: sa.Connection) -> None:
+    """DuckDB: ``turns`` and ``tool_calls`` without their primary keys, ``turns`` without
+    ``ix_turns_group`` (why: ``store/schema.py``). DuckDB cannot drop a key, so each table
+    is renamed, created again from the schema and refilled (zstd BLOBs are compressed
+    anew), all in the caller's transaction. A no-op on PostgreSQL, which keeps the keys,
+    and on a DuckDB store created without them."""
+    if conn.dialect.name == "postgresql":
+        return
+    conn.exec_driver_sql("DROP INDEX IF EXISTS ix_turns_group")
+    for table in (schema.turns, schema.tool_calls):
+        keyed = conn.exec_driver_sql(
+            "SELECT count(*) FROM duckdb_constraints() WHERE table_name = ? "
+            "AND constraint_type = 'PRIMARY KEY' AND schema_name = current_schema()",
+            (table.name,),
+        ).scalar_one()
+        if not keyed:
+            continue
+        old = f"{table.name}_v5"
+        cols = ", ".join(f'"{c.name}"' for c in table.c)
+        conn.exec_driver_sql(f'ALTER TABLE "{table.name}" RENAME TO "{old}"')
+        table.create(conn)
+        # in stored order (DuckDB keeps it): a group's rows stay together, which is what
+        # lets the claim's scan skip row groups by their group_id ranges
+        conn.exec_driver_sql(f'INSERT INTO "{table.name}" ({cols}) SELECT {cols} FROM "{old}"')
+        conn.exec_driver_sql(f'DROP TABLE "{old}"')
+
+
 def latest_version() -> int:
     return max(MIGRATIONS)
 

@@ -163,3 +163,104 @@ def test_migration_4_converts_an_old_store_and_reads_back_identically(store_url,
     assert store.migrate() == []  # applied once
     store.close()
     fresh.close()
+
+
+KEYS_V5 = {"turns": ("episode_id", "turn_index"),
+           "tool_calls": ("episode_id", "turn_index", "call_index")}  # fmt: skip
+
+
+def _v5_metadata() -> sa.MetaData:
+    """Every table as schema version 5 declared it: ``turns`` and ``tool_calls`` with their
+    primary keys, and ``ix_turns_group``, on both backends."""
+    v5 = sa.MetaData()
+    for table in schema.metadata.sorted_tables:
+        if table.name not in KEYS_V5:
+            table.to_metadata(v5)
+    for name, key in KEYS_V5.items():
+        columns = [
+            sa.Column(c.name, c.type, nullable=c.nullable) for c in schema.metadata.tables[name].c
+        ]
+        sa.Table(name, v5, *columns, sa.PrimaryKeyConstraint(*key))
+    sa.Index("ix_turns_group", v5.tables["turns"].c.group_id)
+    return v5
+
+
+def _rows(store: Store, sql: str) -> list[dict]:
+    with store.backend.write() as conn:  # whatever the schema version
+        return fetch_arrow(conn, sql).to_pylist()
+
+
+def test_migration_6_drops_the_duckdb_turn_keys_and_keeps_every_row(store_url, tmp_path):
+    """A store written at version 5 (keys on ``turns`` / ``tool_calls``, ``ix_turns_group``)
+    by today's insert path: after ``migrate`` DuckDB has neither key nor index, PostgreSQL
+    keeps all three, and every row, claim and later write is as before."""
+    groups = _groups()
+    store = Store(store_url, lock_timeout_s=10)
+    store.backend.prepare()
+    with store.backend.write() as conn:
+        _v5_metadata().create_all(conn)
+        migrations._write_version(conn, 5)
+        conn.execute(sa.insert(schema.runs).values(run_id="run", config_json="{}",
+                                                   code_version="v5", created_at=datetime.now(UTC)))  # fmt: skip
+        store.backend.insert_new(conn, arrow_io.groups_to_arrow(groups, datetime.now(UTC)))
+    turns_sql = "SELECT * FROM turns ORDER BY episode_id, turn_index"
+    calls_sql = "SELECT * FROM tool_calls ORDER BY episode_id, turn_index, call_index"
+    before = _rows(store, turns_sql), _rows(store, calls_sql)
+    assert len(before[0]) > 0 and len(before[1]) > 0
+    store.close()
+
+    store = Store(store_url, lock_timeout_s=10)
+    with pytest.raises(SchemaVersionError, match="store migrate"):
+        store.group_counts("run")
+    assert store.migrate() == [6]
+    assert (_rows(store, turns_sql), _rows(store, calls_sql)) == before
+    with store.connect_readonly() as conn:
+        if conn.dialect.name == "duckdb":
+            keyed = (
+                conn.exec_driver_sql(
+                    "SELECT table_name FROM duckdb_constraints() WHERE constraint_type = 'PRIMARY KEY'"
+                )
+                .scalars()
+                .all()
+            )
+            indexes = (
+                conn.exec_driver_sql("SELECT index_name FROM duckdb_indexes()").scalars().all()
+            )
+            codecs = (
+                conn.exec_driver_sql(
+                    "SELECT DISTINCT compression FROM pragma_storage_info('turns') "
+                    "WHERE column_name = 'token_ids' AND segment_type = 'BLOB'"
+                )
+                .scalars()
+                .all()
+            )
+            assert not {"turns", "tool_calls"} & set(keyed) and {"groups", "episodes"} <= set(keyed)
+            assert "ix_turns_group" not in indexes
+            assert codecs == ["ZSTD"]  # the refilled table keeps its codec
+        else:
+            indexes = (
+                conn.exec_driver_sql(
+                    "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema()"
+                )
+                .scalars()
+                .all()
+            )
+            assert {"turns_pkey", "tool_calls_pkey", "ix_turns_group"} <= set(indexes)
+
+    # claims read what a fresh store gives, writes go on, a re-sent group is a no-op
+    fresh = Store(f"duckdb:///{tmp_path / 'fresh.duckdb'}", lock_timeout_s=10)
+    fresh.init()
+    fresh.write_groups(groups)
+    n = len(groups) - 1  # the invalid group is not claimable
+    got = store.claim_batch(run_id="run", learner_id="L", n_groups=n, max_lag=10)
+    ref = fresh.claim_batch(run_id="run", learner_id="L", n_groups=n, max_lag=10)
+    assert got is not None and ref is not None and got.group_ids == ref.group_ids
+    for g_got, g_ref in zip(got.groups, ref.groups, strict=True):
+        for a, b in zip(g_got.episodes, g_ref.episodes, strict=True):
+            np.testing.assert_array_equal(a.token_ids_T, b.token_ids_T)
+            np.testing.assert_array_equal(a.behaviour_logprobs_T, b.behaviour_logprobs_T)
+    assert store.write_groups([make_group("g-after", tokens_per_turn=9)]) == 1
+    assert store.write_groups(groups[:1]) == 0
+    assert store.migrate() == []
+    store.close()
+    fresh.close()

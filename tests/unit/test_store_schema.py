@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 
 import numpy as np
@@ -229,3 +230,64 @@ def test_batch_version_columns_equal_the_per_record_definitions():
         assert row["min_policy_version"] == min((r[0] for r in spans), default=None)
         assert row["max_policy_version"] == max((r[1] for r in spans), default=None)
     assert tables["tool_calls"]["group_id"].to_pylist()[0] == "g0"
+
+
+def _with_turn_indexes(group, indexes):
+    ep = group.episodes[0]
+    turns = tuple(dataclasses.replace(t, index=i) for t, i in zip(ep.turns, indexes, strict=True))
+    episodes = (dataclasses.replace(ep, turns=turns), *group.episodes[1:])
+    return dataclasses.replace(group, episodes=episodes)
+
+
+def test_a_repeated_turn_or_call_index_is_refused_out_of_order_ones_are_not():
+    """``turns`` and ``tool_calls`` have no key in DuckDB (schema.py says why): the
+    conversion makes the check the key made, and names the episode."""
+    group = make_group("g", n_turns=4)
+    with pytest.raises(StoreError, match=r"g/.*: a turn index repeats \(\[0, 1, 1, 3\]\)"):
+        arrow_io.groups_to_arrow([_with_turn_indexes(group, [0, 1, 1, 3])], datetime.now(UTC))
+    with pytest.raises(StoreError, match="a turn index repeats"):
+        arrow_io.groups_to_arrow([_with_turn_indexes(group, [3, 0, 2, 0])], datetime.now(UTC))
+    shuffled = arrow_io.groups_to_arrow(
+        [_with_turn_indexes(group, [3, 0, 2, 1])], datetime.now(UTC)
+    )
+    assert shuffled["turns"]["turn_index"].to_pylist()[:4] == [3, 0, 2, 1]
+    # the same index in two episodes, or after an episode without turns, is no repeat
+    empty = dataclasses.replace(group.episodes[1], turns=())
+    fine = dataclasses.replace(group, episodes=(group.episodes[0], empty, *group.episodes[2:]))
+    assert arrow_io.groups_to_arrow([fine], datetime.now(UTC))["turns"].num_rows > 0
+
+    turn = next(t for t in group.episodes[2].turns if t.tool_calls)
+    call = turn.tool_calls[0]
+    twice = dataclasses.replace(turn, tool_calls=(call, dataclasses.replace(call)))
+    ep = group.episodes[2]
+    ep = dataclasses.replace(ep, turns=tuple(twice if t is turn else t for t in ep.turns))
+    bad = dataclasses.replace(group, episodes=(*group.episodes[:2], ep, *group.episodes[3:]))
+    with pytest.raises(StoreError, match=rf"turn {turn.index}: a tool call index repeats"):
+        arrow_io.groups_to_arrow([bad], datetime.now(UTC))
+
+
+def test_turn_and_call_keys_exist_on_postgresql_only():
+    from sqlalchemy.dialects import postgresql
+    from sqlalchemy.schema import CreateIndex, CreateTable
+
+    duck = sa.create_engine("duckdb:///:memory:").dialect
+    for table in (schema.turns, schema.tool_calls):
+        assert "PRIMARY KEY" not in str(CreateTable(table).compile(dialect=duck)), table.name
+        assert "PRIMARY KEY" in str(CreateTable(table).compile(dialect=postgresql.dialect()))
+    engine = sa.create_engine("duckdb:///:memory:", poolclass=sa.pool.StaticPool)
+    schema.metadata.create_all(engine)
+    with engine.connect() as conn:
+        indexes = conn.exec_driver_sql("SELECT index_name FROM duckdb_indexes()").scalars().all()
+        keys = (
+            conn.exec_driver_sql(
+                "SELECT table_name FROM duckdb_constraints() WHERE constraint_type = 'PRIMARY KEY'"
+            )
+            .scalars()
+            .all()
+        )
+        assert "ix_turns_group" not in set(indexes)
+        assert {"episodes", "groups"} <= (keys := set(keys)) and not {"turns", "tool_calls"} & keys
+    (ix,) = schema.turns.indexes  # PostgreSQL's: tests/integration/test_store_migration.py
+    assert "CREATE INDEX ix_turns_group" in str(
+        CreateIndex(ix).compile(dialect=postgresql.dialect())
+    )
