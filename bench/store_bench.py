@@ -43,6 +43,21 @@ saving is in the conversion the Parquet side shares. A 64-group claim: ~80 ms CP
 SQL 11, scan 34, numpy 34, commit + detach 5), ~145 ms before session 5, when every
 transaction created a DuckDB database (~20 ms) and the numpy step made temporary copies.
 PostgreSQL: 178 MB for 2,000 trajectories (24× Parquet): TOAST compresses values one by one.
+
+Session 10 (quiet machine, load 0.6–0.9, alternated with the previous code 13d5d21): the
+writer's tables reached DuckDB as one Arrow record batch each, and DuckDB scans a
+registered table one batch per thread, so the turns insert (and its zstd) ran on one core;
+handed over in row-group batches (8,192 rows, slices) it runs on both: 0.23 → 0.12 s wall,
+CPU unchanged. ``turns`` and ``tool_calls`` lost their DuckDB primary keys and
+``ix_turns_group`` (ART indexes that no query used: an episode lookup in a 10,000-trajectory
+store 6.6 ms p50 with and without): the commit 26 → 8 ms, the file −24 to −28 %. Figures:
+``ingest_vs_parquet_ratio`` default 0.58–0.60 → 0.785 / 0.89 / 0.83, ``--full`` 0.59 → 0.84
+(the CPU ratio 0.59–0.61 → 0.65–0.73: the gain is wall time, both cores);
+``store_bytes_vs_parquet`` 1.95 → 1.48 (default) and 1.57 → 1.12 (``--full``);
+``batch_fetch_ms_p50`` 56–60 → 50–57 ms; ``read_during_write_ms_max`` 212–259 → 216–259 ms.
+Tried and dropped: converting the next slice of groups while DuckDB inserts the previous
+one (the Arrow scan holds the GIL: CPU = wall, 0.44–0.65 s against 0.33–0.36 s); batches of
+2,048 or 4,096 rows (0.16–0.20 s, the rows of a row group split across threads).
 """
 
 from __future__ import annotations
