@@ -151,6 +151,38 @@ three with the final code):
 - ``reset_ms_p50`` 1.0-1.3 -> 1.7-2.0 ms once the launcher starts after a reset (a reset's next request waits
   for the launcher's fork, done after the reply).
 
+Round 5 (2026-11-27, session 10): who waits. Two changes, each measured alone first, then
+together against the previous code (13d5d21), all on a quiet machine (load < 1 before a set):
+
+1. The command shell is the image's ``bash-static`` (same bash 5.2.15, statically linked):
+   400 ``-c true`` each, 0.80-0.83 ms of CPU against 1.04-1.14 ms for the dynamic bash (no
+   loader, no relocations). Alone (three pairs, 11:00-11:03 UTC): shell commands/s at 16
+   796-870 -> 1062-1136, p50 overhead at 16 1.2-2.7 -> -5.5 to -2.1 ms, but the p99
+   overhead 20.6 / 46.6 / 22.7 -> 60.2 / 10.1 / 27.3 ms: faster, with the same tail.
+2. Each sandbox's cgroup weighs a quarter of a host process (``cpu.shares`` 256,
+   ``host_state.SANDBOX_CPU_SHARES``). Every command of every sandbox passes through one
+   host process, the one driving the pool (here the bench's event loop, in a run the
+   collector's); at a host process's weight each, N busy sandboxes left it 1/(N+1) of the
+   CPU. Proof that it was waiting: the bench run under ``nice -n -10`` (which also lifts
+   its bare-bash baseline) gave p99 overhead 15.6 / 13.0 against 24.6 / 23.0 ms. Weights
+   set on the sandboxes' cgroups by a loop during the bench, alternated (11:07-11:15 UTC):
+   256: 11.8 / 15.1 / 17.0 / 12.1 / 13.1 ms; 1024 (as before): 26.1 / 57.5 / 11.5 / 41.2 /
+   16.9 ms; 512: 27.2 / 34.1 / 47.3 ms (no better than 1024: the collector needs well more
+   than one sandbox's weight when all 16 run). A busy host process against four sandboxes
+   each burning both cores gets 0.98 of a core at 256, 0.43 at 1024
+   (``tests/integration/test_host_protection.py``).
+
+Both, alternated with 13d5d21, five pairs, 11:15-11:20 UTC:
+
+- ``shell_overhead_ms_p99`` (goal ≤ 20): 20.4 / 22.0 / 46.6 / 21.4 / 26.1 -> 24.2 / 19.4 /
+  10.3 / 11.8 / 17.6 ms (medians 22.0 -> 17.6; ≤ 20 in 4 of 5 runs, 0 of 5 before);
+- c=8 p99 (round 4's regression): 55.8 / 67.0 / 67.9 / 61.0 / 51.6 -> 49.8 / 38.5 / 38.1 /
+  32.8 / 44.4 ms (medians 61.0 -> 38.5; before the launcher it was 28-39);
+- ``shell_overhead_ms_p50`` at 16: 0.7-2.5 -> -1.4 to 0.4 ms (below bare bash: the
+  shell's command no longer pays the dynamic loader); c=1 0.6-1.0 -> 0.3-0.5 ms;
+- shell commands/s at 16: 797-883 -> 888-1054; ``speedup_vs_podman_exec`` 77-104 ->
+  63-118 (the ``podman exec`` side swings by itself); ``reset_ms_p50`` 1.7-2.0 -> 1.5-1.9.
+
 ``--grading`` measures only what grading and episode turnaround cost (issue 14), on 2
 containers, with a 1 MiB workspace and a trivial test:
 

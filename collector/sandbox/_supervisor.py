@@ -216,6 +216,17 @@ def _tool(name: str) -> str:
     return _TOOLS[name]
 
 
+def command_shell() -> str:
+    """The shell each agent command starts in: the image's ``bash-static`` where it has one,
+    else ``bash``. The same bash (same version, same behaviour), linked statically: no
+    loader, no relocations, ~0.25 ms less CPU per command (measured, 400 ``-c true`` each:
+    1.04–1.14 vs 0.80–0.83 ms), a quarter of what a quick command costs in a sandbox. The
+    agent's own ``bash`` is the image's dynamic one; ``$BASH`` names the static one."""
+    if "bash-static" not in _TOOLS:
+        _TOOLS["bash-static"] = shutil.which("bash-static", path=BASE_ENV["PATH"]) or _tool("bash")
+    return _TOOLS["bash-static"]
+
+
 LAUNCH_TIMEOUT_S = 2.0
 """How long handing a command to the launcher may block (it is the agent's own process)."""
 KILL_GRACE_S = 1.0
@@ -632,7 +643,7 @@ def run_command(state: State, req: dict) -> tuple[dict, bytes]:
     env.update(overrides)
     # by absolute path: Popen looks argv[0] up in the command's PATH, which the agent sets
     # (``export PATH=/nowhere`` must not leave every later command unable to start)
-    argv = [_tool("bash"), "-c", PRELUDE, "bash", "STATE_FD", req["command"]]
+    argv = [command_shell(), "-c", PRELUDE, "bash", "STATE_FD", req["command"]]
     header, out, err, state_blob = launch(argv, 4, env=env, cwd=cwd, timeout_s=timeout_s, cap=cap)
     if clean or header.get("spawn_error"):  # a clean-environment run leaves the state alone
         return _exec_reply(header, out, err)

@@ -40,11 +40,40 @@ def cgroup_parent(name: str, uid_base: int | None) -> str | None:
     ``podman exec`` clients and event loop runnable, 16 busy sandboxes shared ~1/18 of the
     CPU, which was the shell's tail at 16 sandboxes (and with 40 runnable host processes
     from other work, the whole pool ran ~21 commands/s at any concurrency). Each container
-    in its own top-level cgroup weighs like one host process, as a bare ``bash`` does.
+    in its own top-level cgroup weighs a fixed share, :data:`SANDBOX_CPU_SHARES`.
     """
     if uid_base is None or not PODMAN_V1_PARENT.is_dir():
         return None  # rootless/systemd/cgroup v2: podman's own placement, weights per unit
     return f"/{name}"
+
+
+SANDBOX_CPU_SHARES = 256
+"""``cpu.shares`` of each sandbox's top-level cgroup: a quarter of a host process's (1024).
+
+Why below a host process: every command of every sandbox passes through one host process,
+the collector (its event loop sends the command and reads the reply), and through vLLM's
+for the next turn. Weighing each sandbox like a host process gave that one process
+1/(N+1) of the CPU when N sandboxes were busy, however much it had to do for them. With
+16 sandboxes in ``bench/sandbox_bench.py`` the p99 a command adds over bare ``bash`` fell
+from 11.5–57.5 ms (1024) to 11.8–17.0 ms (256), and a busy host process against four
+sandboxes burning both cores got 0.98 of a core instead of 0.43. Between sandboxes nothing
+changes (all weigh the same), and with the host idle they get all the CPU, as before; a
+host running its own busy work (a learner, vLLM on CPU) now gets more of the CPU than the
+agents' commands when the two compete (docs/perf-issue17.md, round 5)."""
+
+
+def make_cgroup_parent(name: str, uid_base: int | None) -> None:
+    """Create the ``cpu`` folder of :func:`cgroup_parent` with :data:`SANDBOX_CPU_SHARES`
+    (``podman run`` uses an existing parent as it is; its own ``--cpu-shares`` would set
+    the container's cgroup, the only child of this one, where a weight changes nothing)."""
+    if cgroup_parent(name, uid_base) is None:
+        return
+    path = CGROUP_V1_ROOT / "cpu" / name
+    try:
+        path.mkdir(exist_ok=True)
+        (path / "cpu.shares").write_text(str(SANDBOX_CPU_SHARES))
+    except OSError as e:  # podman makes the folder itself, at the default weight
+        log.warning("cannot set the CPU weight of sandbox %s (%s): it weighs 1024", name, e)
 
 
 def remove_cgroup_parent(name: str) -> bool:
@@ -118,16 +147,15 @@ def names_on_host() -> set[str]:
 def sweep(known: set[str], *, min_age_s: float) -> int:
     """Remove the folders of every container not in ``known`` (those podman still has);
     returns how many. Only empty cgroups can be removed, so a live container's never is; a
-    socket folder younger than ``min_age_s`` is left, since another collector on this host
-    makes its container's folder before ``podman ps`` lists the container."""
+    container whose socket folder is younger than ``min_age_s`` is left whole, since another
+    collector on this host makes its container's folders before ``podman ps`` lists it."""
     removed = 0
     old = time.time() - min_age_s
     for name in sorted(names_on_host() - known):
-        left = remove_cgroup_parent(name)
         path = socket_dir(name)
         if path.is_dir() and path.stat().st_mtime >= old:
-            left = True
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+            continue  # being made (its socket folder comes first, then its cgroup's)
+        left = remove_cgroup_parent(name)
+        shutil.rmtree(path, ignore_errors=True)
         removed += not left
     return removed

@@ -38,7 +38,8 @@ class ImageRecipe:
     suite: str = "bookworm"
     mirror: str = "http://deb.debian.org/debian"
     variant: str = "minbase"
-    packages: tuple[str, ...] = ("python3", "bash", "coreutils", "procps", "git")
+    packages: tuple[str, ...] = ("python3", "bash", "bash-static", "coreutils", "procps", "git")
+    """``bash-static``: the shell each agent command starts in (see ``_supervisor.command_shell``)."""
     mount_points: tuple[str, ...] = ("/workspace", "/tmp", "/.sandpiper")
     """Directories created mode 1777 in the rootfs (tmpfs and bind-mount targets)."""
     env: tuple[str, ...] = ("LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1")

@@ -229,6 +229,7 @@ class PodmanSandbox:
         box = cls(config, name, all_labels)
         try:
             host_state.make_socket_dir(name, uid_base)
+            host_state.make_cgroup_parent(name, uid_base)
             argv = container_argv(config, name=name, labels=all_labels, uid_base=uid_base)
             run = asyncio.ensure_future(run_podman(*argv))
             try:

@@ -142,3 +142,40 @@ def test_editor_on_huge_files_keeps_host_memory_small(sandbox_pool):
           {k: v // 1024 for k, v in grown.items()})  # fmt: skip
     worst = max(grown, key=grown.__getitem__)
     assert grown[worst] < 16 * MB, (worst, grown)  # the file is 200 MB; the view shows 16 kB
+
+
+def _cpu_share_of_a_busy_host_process(seconds: float) -> float:
+    """CPU seconds per wall second a busy-looping host process gets over ``seconds``."""
+    spin = (
+        "import time\n"
+        f"t = time.monotonic() + {seconds}\n"
+        "c = time.process_time()\n"
+        "while time.monotonic() < t: pass\n"
+        "print(time.process_time() - c)"
+    )
+    probe = subprocess.run(["python3", "-c", spin], capture_output=True, text=True, check=True)
+    return float(probe.stdout) / seconds
+
+
+def test_busy_sandboxes_cannot_starve_the_host(sandbox_pool):
+    """Four sandboxes each burn both cores (two busy loops): a busy host process, standing
+    for the collector that serves them, still gets about one core. Each sandbox weighs a
+    quarter of a host process (``host_state.SANDBOX_CPU_SHARES``): the host process gets
+    1024 / (1024 + 4 × 256) of the two cores = 1 core; at a host process's weight it got
+    1024 / (5 × 1024) × 2 = 0.4 core."""
+
+    async def go():
+        async with sandbox_pool(pool_size=4) as pool:
+            boxes = [await pool.acquire(episode_id=f"e{i}", task_id="t") for i in range(4)]
+            burn = "for i in 1 2; do timeout 8 sh -c 'while :; do :; done' & done; echo started"
+            for box in boxes:
+                assert (await box.exec(burn, timeout_s=10)).stdout.strip() == "started"
+            await asyncio.sleep(1)  # every burner running
+            share = await asyncio.to_thread(_cpu_share_of_a_busy_host_process, 4.0)
+            for box in boxes:
+                await pool.release(box)
+            return share
+
+    share = asyncio.run(go())
+    print(f"a busy host process got {share:.2f} of a core")
+    assert share > 0.7, f"a busy host process got {share:.2f} of a core against 4 busy sandboxes"

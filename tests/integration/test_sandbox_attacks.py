@@ -51,7 +51,16 @@ async def _assert_clean(box) -> None:
     assert r.ok, r
     assert r.stdout.split("\n")[0:2] == ["/tmp:", ""] or "/workspace:\n\n/tmp:\n" in r.stdout
     processes = set(r.stdout.strip().split("\n")[-1].split())
-    assert processes <= {"catatonit", "python3", "timeout", "bash", "ps", "sort", "tr"}, processes
+    assert processes <= {
+        "catatonit",
+        "python3",
+        "timeout",
+        "bash",
+        "bash-static",
+        "ps",
+        "sort",
+        "tr",
+    }, processes
 
 
 def test_fork_bomb_is_held(sandbox_pool):

@@ -321,6 +321,32 @@ def test_gc_keeps_a_live_collector_in_another_pid_namespace_and_host(
         store.close()
 
 
+def test_each_sandbox_weighs_a_quarter_of_a_host_process_and_runs_static_bash(sandbox_pool):
+    """Root podman on cgroup v1: each sandbox's processes are in a top-level cgroup of its
+    own (``/<name>``) whose ``cpu.shares`` is ``SANDBOX_CPU_SHARES``, so N busy sandboxes
+    cannot starve the collector's event loop that serves them (host_state says why)."""
+    from sandpiper.collector.sandbox.host_state import CGROUP_V1_ROOT, SANDBOX_CPU_SHARES
+
+    async def go():
+        async with sandbox_pool(pool_size=1) as pool:
+            box = await pool.acquire(episode_id="e", task_id="t")
+            r = await box.exec('sleep 30 & echo $!; echo "$BASH"', timeout_s=10)
+            pid, shell = r.stdout.split()
+            shares = (CGROUP_V1_ROOT / "cpu" / box.id / "cpu.shares").read_text().strip()
+            mine = [
+                p.parent.name
+                for p in (CGROUP_V1_ROOT / "cpu" / box.id).rglob("cgroup.procs")
+                if p.read_text().split()
+            ]
+            await pool.release(box)
+            return int(pid), shell, shares, mine
+
+    pid, shell, shares, mine = asyncio.run(go())
+    assert shell == "/usr/bin/bash-static"  # commands start in the static bash (_supervisor)
+    assert pid > 1 and shares == str(SANDBOX_CPU_SHARES) == "256"
+    assert mine, "no process of the sandbox under its own cpu cgroup"
+
+
 def test_close_during_resets_leaves_no_host_state(sandbox_pool):
     """Closing a pool while released sandboxes are still being reset (the reset task is
     cancelled, so the box is in neither the idle queue nor in use) removes their containers
