@@ -51,8 +51,8 @@ handed over in row-group batches (8,192 rows, slices) it runs on both: 0.23 → 
 CPU unchanged. ``turns`` and ``tool_calls`` lost their DuckDB primary keys and
 ``ix_turns_group`` (ART indexes that no query used: an episode lookup in a 10,000-trajectory
 store 6.6 ms p50 with and without): the commit 26 → 8 ms, the file −24 to −28 %. Figures:
-``ingest_vs_parquet_ratio`` default 0.58–0.60 → 0.785 / 0.89 / 0.83, ``--full`` 0.59 → 0.84
-(the CPU ratio 0.59–0.61 → 0.65–0.73: the gain is wall time, both cores);
+``ingest_vs_parquet_ratio`` default 0.58–0.62 (6 runs) → 0.785–0.895 (7 runs, median 0.83),
+``--full`` 0.59 → 0.84 (the CPU ratio 0.59–0.63 → 0.65–0.73: the gain is wall time, both cores);
 ``store_bytes_vs_parquet`` 1.95 → 1.48 (default) and 1.57 → 1.12 (``--full``);
 ``batch_fetch_ms_p50`` 56–60 → 50–57 ms; ``read_during_write_ms_max`` 212–259 → 216–259 ms.
 Tried and dropped: converting the next slice of groups while DuckDB inserts the previous
