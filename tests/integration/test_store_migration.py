@@ -146,23 +146,30 @@ def test_migration_4_converts_an_old_store_and_reads_back_identically(store_url,
     assert _stored_turns(store) == want
 
     # the learner's arrays: what a store written with the new layout gives for the same groups
+    got = _claim_like_a_fresh_store(store, groups, tmp_path)
+    spanning = got.groups[0].episodes[1].policy_versions_T
+    assert list(spanning[9:18]) == [0] * 4 + [1] * 5
+    assert store.migrate() == []  # applied once
+    store.close()
+
+
+def _claim_like_a_fresh_store(store: Store, groups, tmp_path):
+    """Claim every claimable group of ``store`` and of a fresh store given the same groups;
+    the learner's arrays must be equal. Returns the migrated store's batch."""
     fresh = Store(f"duckdb:///{tmp_path / 'fresh.duckdb'}", lock_timeout_s=10)
     fresh.init()
     fresh.write_groups(groups)
     n = len(groups) - 1  # the invalid group is not claimable
     got = store.claim_batch(run_id="run", learner_id="L", n_groups=n, max_lag=10)
     ref = fresh.claim_batch(run_id="run", learner_id="L", n_groups=n, max_lag=10)
+    fresh.close()
     assert got is not None and ref is not None and got.group_ids == ref.group_ids
     for g_got, g_ref in zip(got.groups, ref.groups, strict=True):
         for a, b in zip(g_got.episodes, g_ref.episodes, strict=True):
             assert (a.episode_id, a.reward, a.valid) == (b.episode_id, b.reward, b.valid)
             for name in ("token_ids_T", "loss_mask_T", "behaviour_logprobs_T", "policy_versions_T"):
                 np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
-    spanning = got.groups[0].episodes[1].policy_versions_T
-    assert list(spanning[9:18]) == [0] * 4 + [1] * 5
-    assert store.migrate() == []  # applied once
-    store.close()
-    fresh.close()
+    return got
 
 
 KEYS_V5 = {"turns": ("episode_id", "turn_index"),
@@ -248,19 +255,8 @@ def test_migration_6_drops_the_duckdb_turn_keys_and_keeps_every_row(store_url, t
             assert {"turns_pkey", "tool_calls_pkey", "ix_turns_group"} <= set(indexes)
 
     # claims read what a fresh store gives, writes go on, a re-sent group is a no-op
-    fresh = Store(f"duckdb:///{tmp_path / 'fresh.duckdb'}", lock_timeout_s=10)
-    fresh.init()
-    fresh.write_groups(groups)
-    n = len(groups) - 1  # the invalid group is not claimable
-    got = store.claim_batch(run_id="run", learner_id="L", n_groups=n, max_lag=10)
-    ref = fresh.claim_batch(run_id="run", learner_id="L", n_groups=n, max_lag=10)
-    assert got is not None and ref is not None and got.group_ids == ref.group_ids
-    for g_got, g_ref in zip(got.groups, ref.groups, strict=True):
-        for a, b in zip(g_got.episodes, g_ref.episodes, strict=True):
-            np.testing.assert_array_equal(a.token_ids_T, b.token_ids_T)
-            np.testing.assert_array_equal(a.behaviour_logprobs_T, b.behaviour_logprobs_T)
+    _claim_like_a_fresh_store(store, groups, tmp_path)
     assert store.write_groups([make_group("g-after", tokens_per_turn=9)]) == 1
     assert store.write_groups(groups[:1]) == 0
     assert store.migrate() == []
     store.close()
-    fresh.close()
