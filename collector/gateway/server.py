@@ -264,6 +264,7 @@ class Gateway:
         prompt, extends, delta, reason, check = session.chat_prompt(messages, tools)
         started, t0 = utcnow(), time.perf_counter()
         generation = await self._generate(prompt, _budget(session, body, self._cap()))
+        model_ms = (time.perf_counter() - t0) * 1000
         text = self.renderer.decode(generation.token_ids_T.tolist())
         visible = self.renderer.strip_eos(text)
         if tools:
@@ -294,7 +295,7 @@ class Gateway:
             endpoint="chat", prompt_ids=prompt, extends=extends, delta_ids=delta,
             restart_reason=reason, retokenized_differs=False, generation=generation,
             text=text, tool_calls=tuple(good), started_at=started,
-            duration_ms=(time.perf_counter() - t0) * 1000, messages=messages, returned=message,
+            duration_ms=model_ms, messages=messages, returned=message,
         )  # fmt: skip
         if check is not None:  # the re-tokenization check runs when the episode closes
             session.check_later(call, check)
@@ -331,11 +332,12 @@ class Gateway:
         reason = None if previous is None or extends else "the prompt does not extend the last"
         started, t0 = utcnow(), time.perf_counter()
         generation = await self._generate(prompt, _budget(session, body, self._cap()))
+        model_ms = (time.perf_counter() - t0) * 1000
         text = self.renderer.decode(generation.token_ids_T.tolist())
         session.record(
             endpoint="completions", prompt_ids=prompt, extends=extends, delta_ids=delta,
             restart_reason=reason, retokenized_differs=False, generation=generation, text=text,
-            tool_calls=(), started_at=started, duration_ms=(time.perf_counter() - t0) * 1000,
+            tool_calls=(), started_at=started, duration_ms=model_ms,
             messages=None, returned=None,
         )  # fmt: skip
         return api.completion_response(

@@ -6,7 +6,8 @@ The server is started as::
         --max-model-len N --enforce-eager --enable-scale-out --logprobs-mode raw_logprobs
 
 with ``VLLM_SERVER_DEV_MODE=1`` (enables ``/collective_rpc``, ``/pause``, ``/resume`` and
-``/update_weight_version``) and ``VLLM_CPU_KVCACHE_SPACE`` (KV cache in GiB on the CPU build).
+``/update_weight_version``), ``VLLM_CPU_KVCACHE_SPACE`` (KV cache in GiB on the CPU build)
+and a short OpenMP spin (``GOMP_SPINCOUNT``, see :data:`OMP_SPIN_COUNT`).
 ``--enable-scale-out`` registers the token-in/token-out ``POST /inference/v1/generate`` route
 that returns ``weight_versions`` spans per choice (verified in vLLM 0.32:
 ``vllm/entrypoints/scale_out/factories.py``). The console script ``vllm`` does not work
@@ -44,6 +45,15 @@ from sandpiper.errors import InferenceError
 log = logging.getLogger(__name__)
 
 LOG_TAIL_BYTES = 4000
+
+OMP_SPIN_COUNT = 10_000
+"""``GOMP_SPINCOUNT`` of the server, unless the caller's environment sets it or
+``OMP_WAIT_POLICY``: how long an idle OpenMP thread of the CPU build busy-waits before it
+sleeps. With libgomp's default, 300,000 spins, the engine's worker thread ran on ~5 ms of a
+core after every response, taking CPU from the agents, sandboxes and collector that act on
+that response (the gateway's reply and the agent's wake-up waited for it: docs/gateway.md,
+Cost). 10,000 spins (~0.2 ms here) still cover the gaps between one forward pass's parallel
+regions, and decoding was not slower. The GPU build runs torch ops on one thread."""
 
 
 @dataclass
@@ -139,6 +149,17 @@ class VLLMServer:
             cmd += ["--distributed-executor-backend", "uni"]
         return cmd + list(self.extra_args)
 
+    def environment(self) -> dict[str, str]:
+        """The server's environment: this process's, plus the settings above."""
+        env = dict(os.environ)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+            env["GOMP_SPINCOUNT"] = str(OMP_SPIN_COUNT)
+        if self.single_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return env
+
     def _log_file(self) -> Path:
         if self.log_path is None:
             import tempfile
@@ -152,18 +173,13 @@ class VLLMServer:
         if self.is_alive():
             return
         self._reap_orphan()
-        env = dict(os.environ)
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
-        if self.single_process:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         with open(self._log_file(), "ab") as log_file:
             self._proc = subprocess.Popen(
                 self.command(),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=env,
+                env=self.environment(),
                 start_new_session=True,  # own process group: stop() kills the engine too
             )
         self._pid_file().write_text(str(self._proc.pid))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.inference.server import VLLMServer
+from sandpiper.collector.inference.server import OMP_SPIN_COUNT, VLLMServer
 from sandpiper.config import InferenceConfig
 from sandpiper.errors import InferenceError
 from tests.fixtures.vllm import free_port
@@ -115,6 +115,22 @@ def test_command_line_has_the_flags_the_collector_relies_on() -> None:
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"  # single process
     multi = VLLMServer.from_config(config.model_copy(update={"single_process": False}), "/m")
     assert "--distributed-executor-backend" not in multi.command()
+
+
+def test_environment_shortens_the_openmp_spin_unless_the_caller_chose_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = VLLMServer(model_dir=Path("/m"), port=9000, kv_cache_gib=3)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    env = server.environment()
+    assert env["GOMP_SPINCOUNT"] == str(OMP_SPIN_COUNT)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")  # the caller's choice is kept
+    assert server.environment()["GOMP_SPINCOUNT"] == "300000"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # so is a wait policy (it sets the spin)
+    assert "GOMP_SPINCOUNT" not in server.environment()
 
 
 def test_start_sets_version_and_stop_kills_the_process_group(tmp_path: Path) -> None:
