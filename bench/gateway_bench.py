@@ -21,8 +21,8 @@ route, timed here). ``model_minus_direct`` (the gateway's vLLM time − the pair
 a call through the gateway costs vLLM what a direct call does; ``paired_overhead`` (the
 agent's latency − the pair's direct time) is the added latency estimated that way, the
 bench's headline before session 11. It carries the difference of two separate generations:
-its p50 ranged from 0.6 to 5.4 ms over session 11's runs of the same gateway code, where
-the in-call figure ranged from 2.3 to 2.9 ms. Which of a pair goes first alternates by
+its p50 ranged from −0.9 to 5.4 ms over session 11's 21 runs of the same gateway code,
+where the in-call figure ranged from 2.3 to 3.2 ms. Which of a pair goes first alternates by
 episode and turn (the second finds the server's prefix cache holding the prompt and its
 engine just busy). For a direct-first pair this process builds the ids the gateway will
 send from a copy of the episode's session with a renderer of its own (none of the gateway's
