@@ -34,6 +34,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from starlette.applications import Starlette
@@ -44,7 +45,7 @@ from starlette.routing import Route
 from sandpiper.collector.gateway import openai_api as api
 from sandpiper.collector.gateway.assembly import call_id
 from sandpiper.collector.gateway.session import BudgetSpent, EpisodeSession
-from sandpiper.collector.inference.base import PolicyClient, SamplingParams
+from sandpiper.collector.inference.base import Generation, PolicyClient, SamplingParams
 from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
 from sandpiper.collector.parsers import (
     DEFAULT_MAX_ARGUMENT_BYTES,
@@ -262,9 +263,9 @@ class Gateway:
         messages = api.check_messages(body)
         tools = api.check_tools(body)
         prompt, extends, delta, reason, check = session.chat_prompt(messages, tools)
-        started, t0 = utcnow(), time.perf_counter()
-        generation = await self._generate(prompt, _budget(session, body, self._cap()))
-        model_ms = (time.perf_counter() - t0) * 1000
+        generation, started, model_ms = await self._generate(
+            prompt, _budget(session, body, self._cap())
+        )
         text = self.renderer.decode(generation.token_ids_T.tolist())
         visible = self.renderer.strip_eos(text)
         if tools:
@@ -330,9 +331,9 @@ class Gateway:
         delta = prompt[len(previous.prompt_ids) + len(previous.generation.token_ids_T) :] if (
             extends and previous is not None) else []  # fmt: skip
         reason = None if previous is None or extends else "the prompt does not extend the last"
-        started, t0 = utcnow(), time.perf_counter()
-        generation = await self._generate(prompt, _budget(session, body, self._cap()))
-        model_ms = (time.perf_counter() - t0) * 1000
+        generation, started, model_ms = await self._generate(
+            prompt, _budget(session, body, self._cap())
+        )
         text = self.renderer.decode(generation.token_ids_T.tolist())
         session.record(
             endpoint="completions", prompt_ids=prompt, extends=extends, delta_ids=delta,
@@ -352,7 +353,9 @@ class Gateway:
     def _cap(self) -> int:
         return self.settings.max_tokens_per_turn
 
-    async def _generate(self, prompt: list[int], cap: int):
+    async def _generate(self, prompt: list[int], cap: int) -> tuple[Generation, datetime, float]:
+        """(generation, when the model call started, its duration in ms): the time of the
+        client's ``generate`` alone, recorded as the call's ``duration_ms``."""
         room = self.settings.context_limit - len(prompt)
         if room < 1:
             raise _context_error(len(prompt), self.settings.context_limit)
@@ -362,6 +365,7 @@ class Gateway:
             top_p=self.settings.top_p,
             stop_token_ids=self.renderer.stop_token_ids,
         )
+        started, t0 = utcnow(), time.perf_counter()
         try:
             generation = await self.client.generate(prompt, params)
         except ContextLengthExceeded as e:
@@ -370,10 +374,11 @@ class Gateway:
             raise api.APIError(
                 503, f"the inference server failed: {e}", code="upstream_error"
             ) from e
+        model_ms = (time.perf_counter() - t0) * 1000
         if generation.finish_reason == "abort" or len(generation.token_ids_T) == 0:
             raise api.APIError(503, "the inference server aborted the request",
                                code="upstream_error")  # fmt: skip
-        return generation
+        return generation, started, model_ms
 
 
 def _budget(session: EpisodeSession, body: dict[str, Any], run_cap: int) -> int:

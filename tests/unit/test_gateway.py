@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -239,3 +240,36 @@ def test_unknown_episode_and_surrogates(tiny_tokenizer):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "episode_not_found"
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "ok"
     assert bad.status_code == 400
+
+
+def test_a_call_records_the_model_call_time_only(tiny_tokenizer):
+    """``duration_ms`` is the client's ``generate`` alone (bench/gateway_bench.py subtracts it
+    from the agent's latency): 50 ms in the model, then 200 ms decoding what it sampled."""
+
+    async def main():
+        gw, policy, renderer = _gateway(tiny_tokenizer, [SUBMIT])
+        generate, decode = policy.generate, renderer.decode
+
+        async def slow_generate(prompt_ids, params):
+            await asyncio.sleep(0.05)
+            return await generate(prompt_ids, params)
+
+        def slow_decode(token_ids):
+            time.sleep(0.2)
+            return decode(token_ids)
+
+        policy.generate, renderer.decode = slow_generate, slow_decode
+        await gw.serve()
+        try:
+            client = _openai(gw.open_episode("ep"))
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "6*7?"}],
+                tools=FAKE_TOOL_SCHEMAS,
+            )  # fmt: skip
+            (call,) = gw.close_episode("ep").calls
+        finally:
+            await _close_clients()
+            await gw.aclose()
+        assert 50 <= call.duration_ms < 200
+
+    _run(main())
