@@ -189,6 +189,7 @@ def main() -> None:
             print(f"step_s sandpiper={t_ours[-1]:.3f} trl={t_trl[-1]:.3f}", file=sys.stderr)
     from sandpiper.trainer.engine import shutdown_distributed
 
+    ours = theirs = fn = None  # our step holds the engine, and the engine its process group
     shutdown_distributed()  # a live gloo group can abort the interpreter's exit
     ours_s, trl_s = statistics.median(t_ours), statistics.median(t_trl)
     result = {

@@ -14,6 +14,7 @@ and no accumulation, and the learner marks the accumulation boundary explicitly.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,12 @@ def init_distributed() -> World:
         )  # fmt: skip
     import deepspeed
 
+    # Imported before the default group exists: its functions take `group=group.WORLD` as a
+    # default, bound at import, and DeepSpeed imports it lazily (sequence parallelism) once
+    # the group is up. Imported later, they would hold the default group past
+    # `shutdown_distributed`, and its gloo threads into the interpreter's teardown.
+    from torch.distributed import nn as _  # noqa: F401
+
     if not on_gpu:
         disable_shm_comm_op()
     for attempt in range(5):
@@ -103,27 +112,98 @@ def broadcast_from_main(obj: Any, world: World) -> Any:
     return box[0]
 
 
-def shutdown_distributed(*, clean: bool = True) -> None:
-    """Leave the process group: every rank first waits for the others (``clean``), then
-    destroys it, before the interpreter starts finalizing.
+COMM_THREAD_PREFIXES = ("pt_gloo", "gloo_", "pt_tcpstore")
+"""Names (``/proc/self/task/*/comm``) of the native threads of gloo and the c10d store."""
 
-    Why: a process that exits with its gloo group alive aborts at random (SIGABRT,
+
+def shutdown_distributed(*, clean: bool = True) -> int:
+    """Leave the process group before the interpreter starts finalizing: every rank first
+    waits for the others (``clean``), then the groups are destroyed and every reference to
+    them dropped, so their native threads are joined now. Returns how many of those threads
+    are still alive (0 unless something outside DeepSpeed still holds a group).
+
+    Why: a process that exits with a gloo group alive aborts at random (SIGABRT,
     "terminate called without an active exception"): gloo's C++ worker threads still hold
     work whose tensors reference Python objects, and the interpreter is already torn down
     when their destructors run (pytorch/pytorch#190489). Measured on this machine with a
     minimal 2-rank torchrun script (20 all-reduces and one object broadcast): 8 of 40 runs
-    aborted without this call, 0 of 40 with it; in CI it failed three 2-rank tests in one
-    run. Without the barrier a fast rank would tear down its end while rank 0 still
-    registers the last version. ``clean=False`` (the run failed on this rank) skips the
-    barrier, which a rank that stopped early would never reach, and only destroys.
+    aborted without destroying the group, 0 of 40 with it. Destroying it is not enough in
+    a learner, though: ``torch.distributed.destroy_process_group`` only unregisters the
+    groups, and DeepSpeed keeps its own references (``deepspeed.utils.groups``, and the
+    engine's ``data_parallel_group``), so gloo's threads (4 ``pt_gloo_runloop``, 2
+    ``gloo_tcp_loop``) lived on into finalization, and a 2-rank test still aborted in CI.
+    DeepSpeed's ``destroy_process_group`` drops the module's references; the engine's go
+    when the engine does (the caller must not hold one) and ``gc.collect`` frees the
+    reference cycles it sits in.
+
+    Without the barrier a fast rank would tear down its end while rank 0 still registers
+    the last version. ``clean=False`` (the run failed on this rank) skips the barrier,
+    which a rank that stopped early would never reach, and only destroys.
     """
+    import gc
+
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        return
+        return 0
     if clean and dist.get_world_size() > 1:
         dist.barrier()
-    dist.destroy_process_group()
+    import deepspeed.comm as ds_comm
+
+    if ds_comm.is_initialized():
+        ds_comm.destroy_process_group()  # also drops deepspeed.utils.groups' references
+    else:
+        dist.destroy_process_group()
+    gc.collect()
+    left = comm_threads()
+    if left:
+        log.warning(
+            "%d gloo/store threads outlive the process group (something still holds it): "
+            "this process may abort at exit", left,
+        )  # fmt: skip
+    return left
+
+
+def comm_threads() -> int:
+    """How many native gloo / c10d-store threads this process has (Linux; 0 elsewhere)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    n = 0
+    for task in tasks:
+        try:
+            name = Path(f"/proc/self/task/{task}/comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        n += name.startswith(COMM_THREAD_PREFIXES)
+    return n
+
+
+def destroy_engine(engine: Any) -> None:
+    """Take a finished engine's hooks off its model and drop DeepSpeed's module-level
+    references to it, so the engine, its model and its process groups can be freed.
+
+    ``DeepSpeedEngine.destroy`` removes the hooks. ZeRO-3 (DeepSpeed 0.19.8) keeps two more
+    references that nothing releases: the model stays on
+    ``parameter_offload.FWD_MODULE_STACK``, and the parameter coordinator stays a key of
+    the ``functools.lru_cache`` on its ``__params_to_release`` method. Either kept the engine
+    alive, and with it a gloo group whose threads then ran into the interpreter's teardown
+    (see :func:`shutdown_distributed`). ``tests/integration/test_learner_deepspeed.py``
+    checks that no gloo thread is left after a 2-rank learner with ZeRO 0 and 3, so a
+    DeepSpeed upgrade that adds such a reference fails there, not at random at exit."""
+    engine.destroy()
+    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack[:] = [m for m in stack if m is not engine.module]
+    coordinator = partitioned_param_coordinator.PartitionedParameterCoordinator
+    method = getattr(coordinator, "_PartitionedParameterCoordinator__params_to_release", None)
+    for cell in getattr(method, "__closure__", None) or ():  # under DeepSpeed's nvtx wrapper
+        cached = cell.cell_contents
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def load_ds_config(path: str | Path, *, world_size: int, max_grad_norm: float) -> dict[str, Any]:

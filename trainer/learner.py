@@ -45,7 +45,13 @@ from sandpiper.trainer.checkpoint import (
     temp_folder,
     write_weights,
 )
-from sandpiper.trainer.engine import World, broadcast_from_main, build_engine, full_state_dict
+from sandpiper.trainer.engine import (
+    World,
+    broadcast_from_main,
+    build_engine,
+    destroy_engine,
+    full_state_dict,
+)
 from sandpiper.trainer.leadership import LeaseKeeper, new_learner_id, wait_for_leadership
 from sandpiper.trainer.loss import LossConfig, LossStats, grpo_loss
 from sandpiper.trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
@@ -126,6 +132,7 @@ class Learner:
             poll_s=max(self.lc.poll_interval_s, self.lc.leader_lease_s / 6),
         )  # fmt: skip
         self.keeper: LeaseKeeper | None = None
+        self._engine_destroyed = False
         if world.is_main:
             self.keeper = LeaseKeeper(store, self.fence, lease_s=self.lc.leader_lease_s)
         try:
@@ -151,10 +158,24 @@ class Learner:
         return self.fence.term
 
     def close(self, *, release: bool = True) -> None:
-        """Stop renewing the lease; ``release`` hands it to a standby at once."""
+        """Stop renewing the lease (``release`` hands it to a standby at once) and take the
+        engine's hooks off the model; the weights stay readable, training is over.
+
+        Why the hooks: ZeRO-3 puts autograd hooks on every parameter, held from C++ where
+        the garbage collector cannot see them, and they hold the engine and with it its
+        process groups. Left on, the groups' gloo threads outlive
+        :func:`~sandpiper.trainer.engine.shutdown_distributed` (9 per rank were left)
+        and the exit can abort."""
         if self.keeper is not None:
             self.keeper.close(release=release)
             self.keeper = None
+        engine = getattr(self, "engine", None)  # absent when __init__ failed before it
+        if engine is not None and not self._engine_destroyed:
+            self._engine_destroyed = True
+            try:
+                destroy_engine(engine)
+            except Exception:  # teardown: must not hide the error the run may be raising
+                log.warning("could not release the DeepSpeed engine", exc_info=True)
 
     # ---- start-up ------------------------------------------------------------------
 

@@ -57,3 +57,50 @@ def test_run_learner_destroys_the_process_group_on_success_and_on_failure() -> N
         "assert seen == [True, True], seen\n"
     )
     _run_probe(probe)
+
+
+def test_comm_threads_counts_threads_by_their_native_name() -> None:
+    """``shutdown_distributed`` reports gloo / c10d-store threads by the name the OS knows
+    them by (``/proc/self/task/*/comm``); a thread named like gloo's is counted."""
+    probe = (
+        "import ctypes, threading\n"
+        "from sandpiper.trainer.engine import comm_threads\n"
+        "before = comm_threads()\n"
+        "named, done = threading.Event(), threading.Event()\n"
+        "def body():\n"
+        "    ctypes.CDLL(None).prctl(15, b'pt_gloo_runloop', 0, 0, 0)  # PR_SET_NAME\n"
+        "    named.set(); done.wait()\n"
+        "t = threading.Thread(target=body); t.start(); named.wait()\n"
+        "assert comm_threads() == before + 1, (before, comm_threads())\n"
+        "done.set(); t.join()\n"
+        "assert comm_threads() == before\n"
+    )
+    _run_probe(probe)
+
+
+def test_a_destroyed_zero3_engine_is_freed_with_its_process_group(learner_tiny_model) -> None:
+    """After ``destroy_engine`` nothing holds a ZeRO-3 engine (DeepSpeed's module-level
+    stack and lru_cache did), and ``shutdown_distributed`` leaves no gloo thread: one left
+    runs into the interpreter's teardown and can abort the exit (seen in CI)."""
+    from tests.conftest import REPO
+
+    probe = (
+        "import gc, weakref, torch\n"
+        "from sandpiper.trainer.checkpoint import load_model\n"
+        "from sandpiper.trainer.engine import (build_engine, comm_threads, destroy_engine,\n"
+        "    init_distributed, shutdown_distributed)\n"
+        "world = init_distributed()\n"
+        f"engine = build_engine(load_model({str(learner_tiny_model)!r}),\n"
+        f"    ds_config_path={str(REPO / 'configs/deepspeed_zero3.json')!r}, world=world,\n"
+        "    lr=1e-3, weight_decay=0.0, max_grad_norm=1.0)\n"
+        "loss = engine(input_ids=torch.tensor([[5, 17, 33, 9]])).logits.float().mean()\n"
+        "engine.backward(loss); engine.step()\n"
+        "assert comm_threads() > 0, 'gloo threads are not named as expected'\n"
+        "destroy_engine(engine)\n"
+        "freed = weakref.ref(engine)\n"
+        "del engine, loss\n"
+        "left = shutdown_distributed()\n"
+        "assert freed() is None, 'the engine is still referenced'\n"
+        "assert left == 0 == comm_threads(), left\n"
+    )
+    _run_probe(probe)
