@@ -52,6 +52,15 @@ if TYPE_CHECKING:
 
 _PROBE = "\u2063probe\u2063"
 """Assistant content of the probe conversation (invisible separators: cannot collide)."""
+_PROBE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
+"""The tool offered in the self-check of a renderer without tools of its own."""
 
 
 class ChatRenderer:
@@ -91,6 +100,11 @@ class ChatRenderer:
         self._probe_cache: dict[bytes, str] = {}
         if self._pieces is not None and not self._pieces.agrees(self._self_check_texts()):
             self._pieces = None
+        self._bare_probe_text = self.render(probe, add_generation_prompt=False, tools=[])
+        self._delta_without_tools = self._tools_only_before_the_probe()
+        """Render deltas without the tool schemas: the template puts the schemas before the
+        conversation (as the common templates do), so a delta's text is the same with or
+        without them and the schemas' JSON is not rendered again on every call."""
 
     def render(
         self,
@@ -158,12 +172,52 @@ class ChatRenderer:
         with the end-of-turn token (the template's whole closing text is then added)."""
         if self.action_format == "bash_block":
             tool_messages = [_as_user_turn(tool_messages)]
-        probe_text = self._probe_text if tools is None else self._probe_with(tools)
-        full = self.render([*self._probe, *tool_messages], add_generation_prompt=True, tools=tools)
+        lead = self._after_eos if ended_with_eos else self._after_content
+        return self.encode(lead + self._delta_text(tool_messages, tools))
+
+    def _delta_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        *,
+        without_tools: bool | None = None,
+    ) -> str:
+        """Template text that ``messages`` add after the probe conversation's turn, with the
+        generation prompt; ``without_tools`` defaults to what the self-check decided."""
+        if self._delta_without_tools if without_tools is None else without_tools:
+            tools, probe_text = [], self._bare_probe_text
+        else:
+            probe_text = self._probe_text if tools is None else self._probe_with(tools)
+        full = self.render([*self._probe, *messages], add_generation_prompt=True, tools=tools)
         if not full.startswith(probe_text):
             raise InferenceError("the chat template is not append-only for tool messages")
-        lead = self._after_eos if ended_with_eos else self._after_content
-        return self.encode(lead + full[len(probe_text) :])
+        return full[len(probe_text) :]
+
+    def _tools_only_before_the_probe(self) -> bool:
+        """Whether deltas render the same without the tool schemas, on tool results (one and
+        two), a user turn and a tool-call turn, with the renderer's tools (or a probe tool)."""
+        if self.action_format == "bash_block":
+            return True  # no schemas are rendered at all
+        tools = self.tools or [_PROBE_TOOL]
+        call = {"type": "function", "id": "call_0_0",
+                "function": {"name": _PROBE_TOOL["function"]["name"], "arguments": {"x": "1"}}}  # fmt: skip
+        samples: list[list[dict[str, Any]]] = [
+            [{"role": "tool", "tool_call_id": "call_0_0", "content": " out\n"}],
+            [{"role": "tool", "tool_call_id": "call_0_0", "content": "a"},
+             {"role": "tool", "tool_call_id": "call_0_1", "content": "b"}],
+            [{"role": "user", "content": "next"}],
+            [{"role": "tool", "tool_call_id": "call_0_0", "content": "c"},
+             {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_0_0", "content": "d"}],
+        ]  # fmt: skip
+        try:
+            return all(
+                self._delta_text(m, tools, without_tools=True)
+                == self._delta_text(m, tools, without_tools=False)
+                for m in samples
+            )
+        except Exception:  # a template refusing a sample: keep rendering the schemas
+            return False
 
     def _probe_with(self, tools: Sequence[Mapping[str, Any]]) -> str:
         """The probe conversation's text with other tools (cached: the gateway renders a

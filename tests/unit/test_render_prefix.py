@@ -146,3 +146,28 @@ def test_a_chat_template_file_overrides_the_tokenizers(tiny_tokenizer, tmp_path)
     assert text == "[user]hi<|im_end|>[assistant]"
     with pytest.raises(ConfigError, match="cannot read"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_deltas_skip_the_tool_schemas_of_every_shipped_template(request, template):
+    """The schemas sit before the conversation in every shipped template, so a delta renders
+    without them (their JSON is not rendered again on every call); the incremental test
+    above holds the deltas to the full render."""
+    assert _renderer(request, template, "hermes")._delta_without_tools
+
+
+def test_a_template_whose_tool_turns_depend_on_the_tools_keeps_them(tiny_tokenizer):
+    template = (
+        "{% if tools %}<tools>{{ tools | length }}</tools>{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'tool' and tools %}<tool_response>{{ m.content }}</tool_response>"
+        "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    renderer = ChatRenderer(tiny_tokenizer, TOOLS, chat_template=template)
+    assert not renderer._delta_without_tools
+    delta = renderer.decode(renderer.tool_delta_ids([{"role": "tool", "content": "out"}]))
+    assert (
+        delta == "\n<|im_start|>tool\n<tool_response>out</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
