@@ -42,7 +42,7 @@ import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 6
 """Bump with a registered migration in ``store/migrations.py`` whenever a table changes."""
 
 metadata = sa.MetaData()

@@ -187,6 +187,13 @@ def test_schema_version_messages_say_what_to_run():
         migrations.check(latest + 1, "duckdb:///x")
 
 
+def test_schema_version_is_the_latest_migration():
+    """Spool files carry ``SCHEMA_VERSION``; it was left at 4 while migrations reached 6."""
+    from sandpiper.store import schema
+
+    assert schema.SCHEMA_VERSION == migrations.latest_version()
+
+
 def test_batch_version_columns_equal_the_per_record_definitions():
     """groups_to_arrow computes version scalars, change points and version ranges on one
     buffer for the whole batch; they must equal version_runs / policy_version_range of each
