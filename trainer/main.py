@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,12 @@ def run_learner(cfg: LearnerSettings | RunConfig) -> int:
         steps = _run(cfg, world)
         clean = True
         return steps
+    except BaseException as e:
+        # The failed run's frames (its traceback) hold the learner, so its engine and its
+        # process groups: clear their locals, or the groups' gloo threads outlive the
+        # shutdown below and the exit can abort (SIGABRT) instead of reporting the error.
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         shutdown_distributed(clean=clean)
 

@@ -191,7 +191,7 @@ def test_schema_version_is_the_latest_migration():
     """Spool files carry ``SCHEMA_VERSION``; it was left at 4 while migrations reached 6."""
     from sandpiper.store import schema
 
-    assert schema.SCHEMA_VERSION == migrations.latest_version()
+    assert migrations.latest_version() == schema.SCHEMA_VERSION
 
 
 def test_batch_version_columns_equal_the_per_record_definitions():

@@ -44,7 +44,11 @@ def test_run_learner_destroys_the_process_group_on_success_and_on_failure() -> N
         "    return 3\n"
         "def fail(cfg, world):\n"
         "    seen.append(dist.is_initialized())\n"
+        "    held = dist.group.WORLD  # as a failed learner's frames hold its engine's groups\n"
         "    raise RuntimeError('boom')\n"
+        "import sandpiper.trainer.engine as engine\n"
+        "left, shutdown = [], engine.shutdown_distributed\n"
+        "engine.shutdown_distributed = lambda **kw: left.append(shutdown(**kw))\n"
         "m._run = ok\n"
         "assert m.run_learner(None) == 3\n"
         "assert not dist.is_initialized(), 'left alive after a clean run'\n"
@@ -55,6 +59,7 @@ def test_run_learner_destroys_the_process_group_on_success_and_on_failure() -> N
         "    pass\n"
         "assert not dist.is_initialized(), 'left alive after a failed run'\n"
         "assert seen == [True, True], seen\n"
+        "assert left == [0, 0], f'gloo threads outlived the shutdown: {left}'\n"
     )
     _run_probe(probe)
 
