@@ -53,8 +53,8 @@ def disable_shm_comm_op() -> None:
     ``~/.cache/torch_extensions`` while it compiles or checks it. A learner killed in that
     window (kill -9 during start-up) leaves the lock behind, and every later learner waits
     on it forever — seen in the resume test. The op only speeds up allreduce between CPU
-    processes of one host; gloo does the same job here. This is the one place the learner
-    touches DeepSpeed's internals (a test holds it to the pinned version).
+    processes of one host; gloo does the same job here. This and :func:`destroy_engine` are
+    where the learner touches DeepSpeed's internals (tests hold both to the pinned version).
     """
     import deepspeed.ops
 
