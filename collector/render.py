@@ -173,18 +173,17 @@ class ChatRenderer:
         if self.action_format == "bash_block":
             tool_messages = [_as_user_turn(tool_messages)]
         lead = self._after_eos if ended_with_eos else self._after_content
-        return self.encode(lead + self._delta_text(tool_messages, tools))
+        return self.encode(lead + self._delta_text(tool_messages, tools, self._delta_without_tools))
 
     def _delta_text(
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None,
-        *,
-        without_tools: bool | None = None,
+        without_tools: bool,
     ) -> str:
         """Template text that ``messages`` add after the probe conversation's turn, with the
-        generation prompt; ``without_tools`` defaults to what the self-check decided."""
-        if self._delta_without_tools if without_tools is None else without_tools:
+        generation prompt (rendered without the tool schemas when ``without_tools``)."""
+        if without_tools:
             tools, probe_text = [], self._bare_probe_text
         else:
             probe_text = self._probe_text if tools is None else self._probe_with(tools)
@@ -212,8 +211,7 @@ class ChatRenderer:
         ]  # fmt: skip
         try:
             return all(
-                self._delta_text(m, tools, without_tools=True)
-                == self._delta_text(m, tools, without_tools=False)
+                self._delta_text(m, tools, True) == self._delta_text(m, tools, False)
                 for m in samples
             )
         except Exception:  # a template refusing a sample: keep rendering the schemas
