@@ -308,8 +308,12 @@ class EpisodeSession:
         self.completion_tokens += len(sampled)
         self._context = [*prompt_ids, *sampled]
         self._ended_with_eos = bool(sampled) and sampled[-1] in self.renderer.stop_token_ids
-        if messages is None or returned is None or generation.finish_reason == "length":
-            self._history, self._sent = None, ()  # a truncated turn cannot be continued exactly
+        # A turn cut off by max_tokens is continued like any other: its ids stay in the
+        # context as sampled, and the next delta opens with the template's whole closing
+        # text (``ended_with_eos`` False), where a from-scratch render closes the assistant
+        # message the agent echoes back.
+        if messages is None or returned is None:
+            self._history, self._sent = None, ()  # a completions call: no chat history
         else:
             # an extending call's messages start with the history (compared equal just now)
             kept = self._history if extends and self._history is not None else []

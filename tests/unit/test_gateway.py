@@ -97,6 +97,45 @@ def test_tool_loop_extends_token_for_token_and_assembles_one_sequence(tiny_token
     assert set(turns[3].policy_versions_T.tolist()) == {7}
 
 
+def test_a_turn_cut_off_by_max_tokens_is_continued_token_for_token(tiny_tokenizer):
+    """A reply truncated at ``max_tokens`` (no end-of-turn token) that the agent echoes back
+    extends the episode: the sampled ids stay as sampled and the next delta closes the turn
+    with the template's text, so the prompt reads exactly as a from-scratch render."""
+
+    async def main():
+        gw, policy, renderer = _gateway(tiny_tokenizer, ["one two three four five six", SUBMIT])
+        await gw.serve()
+        try:
+            client = _openai(gw.open_episode("e"))
+            messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "go"}]
+            r1 = await client.chat.completions.create(
+                model=MODEL, messages=messages, tools=FAKE_TOOL_SCHEMAS, max_tokens=3
+            )
+            assert r1.choices[0].finish_reason == "length"
+            messages += [r1.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "go on"}]  # fmt: skip
+            await client.chat.completions.create(
+                model=MODEL, messages=messages, tools=FAKE_TOOL_SCHEMAS
+            )
+            session = gw.close_episode("e")
+            await session.settle()
+            return session, policy, renderer, messages
+        finally:
+            await _close_clients()
+            await gw.aclose()
+
+    session, policy, renderer, messages = _run(main())
+    first, second = session.calls
+    sampled = [int(t) for t in first.generation.token_ids_T]
+    assert len(sampled) == 3 and sampled[-1] not in renderer.stop_token_ids
+    assert (second.extends, second.restart_reason) == (True, None)
+    assert policy.prompts[1] == [*policy.prompts[0], *sampled, *second.delta_ids]
+    fresh = renderer.render(messages, add_generation_prompt=True, tools=FAKE_TOOL_SCHEMAS)
+    assert renderer.decode(policy.prompts[1]) == fresh
+    _, stats = assemble(session.calls, renderer.decode)
+    assert stats.segments == 1 and stats.restart_reasons == {}
+
+
 def test_rewritten_history_starts_a_new_segment(tiny_tokenizer):
     async def main():
         gw, _, renderer = _gateway(tiny_tokenizer, ["hello", "again"])
