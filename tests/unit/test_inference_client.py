@@ -155,6 +155,29 @@ async def test_gives_up_after_max_retries() -> None:
     assert calls == 3
 
 
+async def test_waits_between_attempts_double_up_to_the_cap(monkeypatch) -> None:
+    from sandpiper.collector.inference import vllm_client
+
+    waits: list[float] = []
+
+    async def no_sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    monkeypatch.setattr(vllm_client.asyncio, "sleep", no_sleep)
+    bodies: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.headers["content-type"] == "application/json"
+        bodies.append(request.content)
+        return httpx.Response(503, text="overloaded")
+
+    async with make_client(handler, max_retries=6, retry_wait_s=0.5) as client:
+        with pytest.raises(InferenceError, match="503"):
+            await client.generate([1, 2], PARAMS)
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, vllm_client.RETRY_WAIT_MAX_S]
+    assert len(bodies) == 7 and json.loads(bodies[0])["token_ids"] == [1, 2]
+
+
 async def test_client_errors_are_not_retried() -> None:
     calls = 0
 
