@@ -9,7 +9,9 @@ native loop builds it (:mod:`sandpiper.collector.render`) whenever the agent's h
   followed by new messages (tool results, a user turn). The prompt is then the previous
   call's prompt ids + the ids the model sampled (exactly, not re-tokenized) + the new
   messages rendered as a delta (:meth:`ChatRenderer.tool_delta_ids`), just as the native
-  loop appends tool results. The episode's token sequence only grows.
+  loop appends tool results. The episode's token sequence only grows. A reply cut off by
+  ``max_tokens`` extends the same way: its ids stay as sampled, and the delta opens with the
+  template's whole closing text, which the model did not sample.
 - **Restarts.** Anything else (the agent rewrote, truncated or summarised its history, or a
   completions call whose prompt is not an extension) is rendered from scratch with the chat
   template: a new *segment* that starts a new training sequence sharing the episode's
