@@ -573,6 +573,10 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
             finally:
                 await client.aclose()
             out |= _figures(one, "gateway", "") | _figures(many, "gateway", "_c16")
+            if args.agent_direct and "agent_direct_calls_timed" not in out:
+                print("--agent-direct: no call could be timed from vLLM's metrics (no "
+                      "vllm:e2e_request_latency_seconds at /metrics: --disable-log-stats?)",
+                      file=sys.stderr)  # fmt: skip
             out["calls"] = float(len(one["gateway_ms"]) + len(many["gateway_ms"]))
     finally:
         if server is not None:
