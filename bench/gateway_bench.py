@@ -2,8 +2,8 @@
 
 Two processes, as in a real run: this one is the collector (the :class:`Gateway` and the
 :class:`VLLMPolicyClient` it shares with the native loop), and the agent is a separate
-Python process (``--agent``, started here) making plain HTTP calls with ``httpx`` (the
-transport of the ``openai`` client). Each agent episode makes ``--turns`` chat calls with
+Python process (``bench/gateway_agent.py``, started here) making plain HTTP calls with
+``httpx`` (the transport of the ``openai`` client). Each agent episode makes ``--turns`` chat calls with
 the run's tool schemas, each later call sending the previous reply and a tool result back,
 as agents do; greedy (temperature 0). One warm-up episode (connections, caches) precedes
 the timed ones.
@@ -45,10 +45,6 @@ Figures (``--json``: one JSON object on the last line):
 - ``stub_*``: the same with an instant model instead of vLLM (the gateway's own cost on a
   machine not busy with vLLM), and ``stub_server_cpu_ms_per_call``: CPU time of this process
   per call then (the gateway plus the bench's control route).
-- ``client_cpu_us_per_call``: CPU time per ``generate`` of the native loop's client (which
-  the gateway calls vLLM through), against ``plain_httpx_cpu_us_per_call`` (a plain ``httpx``
-  post of the same body, its JSON answer parsed: an agent calling vLLM itself), both over one
-  in-memory transport (``client_vs_plain_httpx``: their ratio).
 - ``--agent-direct``: the agent also calls vLLM itself with the very body the gateway's client
   sent, and reads vLLM's own time of every call from its metrics (the e2e request latency
   histogram, read before and after the call; a call another request overlapped is left out),
@@ -57,8 +53,9 @@ Figures (``--json``: one JSON object on the last line):
   latency calling vLLM − vLLM's time of that call), with the parts
   ``gateway_outside_vllm_ms_p50``, ``agent_direct_outside_vllm_ms_p50`` and
   ``gateway_client_outside_vllm_ms_p50``. Reading the metrics needs a pause before each
-  timed call (``SETTLE_S``), which leaves the processes colder than in the default run: compare
+  timed call (``SETTLE_S`` in gateway_agent.py), which leaves the processes colder than in the default run: compare
   these figures with the in-call figure of the same run only.
+- The client's own CPU per call (which the in-call figure leaves out): bench/client_bench.py.
 - ``call_path_cpu_ms``: CPU time of this process per chat call driven straight into the
   gateway's ASGI app with the instant model (no sockets, no agent process: the figure least
   touched by the machine's load), and ``close_cpu_ms_per_episode`` (the deferred
@@ -80,7 +77,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import functools
 import itertools
 import json
 import os
@@ -89,7 +85,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -113,121 +108,6 @@ class StubClient:
 
         n = len(self.reply)
         return Generation(self.reply, np.zeros(n, np.float32), np.zeros(n, np.int32), "stop")
-
-
-# ---- the agent process ------------------------------------------------------------------
-
-
-SETTLE_S = 0.02
-"""``--agent-direct``: the pause between reading vLLM's metrics and a timed call."""
-
-
-async def _e2e_ms(http, vllm: str) -> tuple[float, float]:
-    """(sum in ms, count) of vLLM's own end-to-end request latency histogram: the delta over
-    one call is that call's time inside vLLM's engine client (arrival to last output)."""
-    total = count = 0.0
-    for line in (await http.get(f"{vllm}/metrics")).text.splitlines():
-        if line.startswith("vllm:e2e_request_latency_seconds_sum{"):
-            total += float(line.rsplit(" ", 1)[1]) * 1000
-        elif line.startswith("vllm:e2e_request_latency_seconds_count{"):
-            count += float(line.rsplit(" ", 1)[1])
-    return total, count
-
-
-async def _timed_vllm_call(http, vllm: str | None, call) -> tuple[float, float, Any]:
-    """(latency ms, vLLM's own time of the call in ms or NaN, response) of ``call()``."""
-    before = None
-    if vllm:
-        before = await _e2e_ms(http, vllm)
-        await asyncio.sleep(SETTLE_S)  # the server's work on the scrape is done
-    t0 = time.perf_counter()
-    r = await call()
-    ms = (time.perf_counter() - t0) * 1000
-    r.raise_for_status()
-    inside = float("nan")
-    if before is not None:
-        after = await _e2e_ms(http, vllm)
-        if after[1] - before[1] == 1:  # exactly this call finished meanwhile
-            inside = after[0] - before[0]
-    return ms, inside, r
-
-
-async def _agent_episode(http, args: argparse.Namespace, i: int) -> list[tuple[float, ...]]:
-    from sandpiper.collector.tools import offered_schemas
-
-    tools = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")
-    r = await http.post(f"{args.gateway}/episodes", json={})
-    r.raise_for_status()
-    opened = r.json()
-    url, eid = opened["base_url"], opened["episode_id"]
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are an agent in a Linux sandbox."},
-        {"role": "user", "content": f"Task {i} of {args.tag}: list the files in /workspace."},
-    ]
-    vllm = args.vllm if args.concurrency == 1 else None  # one call at a time: its own e2e
-
-    async def agent_direct(body: dict[str, Any]) -> tuple[float, float]:
-        """The agent calls vLLM itself with the very body the gateway's client sent."""
-        body = {**body, "request_id": f"agent-direct-{uuid.uuid4().hex}"}
-        ms, inside, _ = await _timed_vllm_call(
-            http, vllm, functools.partial(http.post, f"{vllm}/inference/v1/generate", json=body)
-        )
-        return ms, inside
-
-    rows: list[tuple[float, ...]] = []
-    for turn in range(args.turns):
-        body = {"model": "policy", "messages": messages, "tools": tools}
-        # Which of the pair goes first alternates: the second finds the server's prefix
-        # cache holding the whole prompt and the engine just awake, the first does not.
-        direct_first = (i + turn) % 2 == 1
-        own = (float("nan"), float("nan"))
-        if direct_first:  # the same ids, made here from the same history (not timed)
-            d = await http.post(f"{args.control}/direct-first/{eid}", json=body)
-            d.raise_for_status()
-            if vllm:
-                own = await agent_direct(d.json()["body"])
-        via_gateway_ms, gateway_inside, r = await _timed_vllm_call(
-            http, vllm, functools.partial(http.post, f"{url}/chat/completions", json=body)
-        )
-        reply = r.json()["choices"][0]["message"]
-        if not direct_first:
-            t0 = time.perf_counter()
-            d = await http.post(f"{args.control}/direct/{eid}")
-            control_ms = (time.perf_counter() - t0) * 1000  # a bare HTTP hop around the call
-            d.raise_for_status()
-            if vllm:
-                own = await agent_direct(d.json()["body"])
-        else:
-            control_ms = float("nan")  # that route renders too: not a bare hop
-        rows.append((via_gateway_ms, d.json()["direct_ms"], float(direct_first), control_ms,
-                     gateway_inside, *own))  # fmt: skip
-        messages.append(reply)
-        call_id = (reply.get("tool_calls") or [{"id": "none"}])[0]["id"]
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": f"out {turn}"})
-    v = await http.post(f"{args.control}/verify/{eid}")
-    v.raise_for_status()
-    (await http.post(f"{args.gateway}/episodes/{eid}/close")).raise_for_status()
-    # each call's own time in the PolicyClient (what the gateway spent calling vLLM)
-    return [(*row, model_ms) for row, model_ms in zip(rows, v.json()["model_ms"], strict=True)]
-
-
-async def agent_main(args: argparse.Namespace) -> None:
-    """``--agent``: run the episodes, print [[gateway_ms, direct_ms, direct_first, control_ms,
-    gateway_inside_ms, agent_direct_ms, agent_direct_inside_ms, model_ms], ...] as JSON."""
-    import httpx
-
-    sem = asyncio.Semaphore(args.concurrency)
-    limits = httpx.Limits(max_connections=args.concurrency * 2)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-
-        async def one(i: int):
-            async with sem:
-                return await _agent_episode(http, args, i)
-
-        await one(-1)  # warm-up: connections, tokenizer caches, server prefix cache
-        await http.post(f"{args.control}/start")
-        results = await asyncio.gather(*(one(i) for i in range(args.episodes)))
-    print(json.dumps([p for r in results for p in r]))
 
 
 # ---- the collector process --------------------------------------------------------------
@@ -326,7 +206,7 @@ async def measure(
         await asyncio.sleep(0.01)
     host, port = control.servers[0].sockets[0].getsockname()[:2]
     cmd = [
-        sys.executable, str(Path(__file__).resolve()), "--agent",
+        sys.executable, str(Path(__file__).resolve().parent / "gateway_agent.py"),
         "--gateway", gateway.url, "--control", f"http://{host}:{port}",
         "--concurrency", str(concurrency), "--episodes", str(episodes),
         "--turns", str(args.turns), "--tag", f"run {next(_RUNS)}",
@@ -426,62 +306,6 @@ async def call_path_cpu(renderer, args, episodes: int) -> dict[str, float]:
     }
 
 
-async def client_cpu(reps: int = 5, calls: int = 1000) -> dict[str, float]:
-    """CPU time per ``generate`` of the native loop's client (the gateway's too), against a
-    plain ``httpx`` post of the same body with its JSON answer parsed (an agent calling vLLM
-    itself), both over one in-memory transport answering as vLLM does (no sockets)."""
-    import httpx
-
-    from sandpiper.collector.inference.base import SamplingParams
-    from sandpiper.collector.inference.vllm_client import (
-        GENERATE_PATH,
-        VLLMPolicyClient,
-        generate_body,
-    )
-
-    n = 16
-    answer = json.dumps({
-        "request_id": "r", "weight_versions": [{"version": "3", "start": 0, "end": n}],
-        "choices": [{"index": 0, "token_ids": list(range(5, 5 + n)), "finish_reason": "stop",
-                     "logprobs": {"content": [{"logprob": -0.5}] * n}}],
-    }).encode()  # fmt: skip
-    transport = httpx.MockTransport(
-        lambda request: httpx.Response(200, content=answer,
-                                       headers={"content-type": "application/json"})
-    )  # fmt: skip
-    params = SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=[2])
-    prompt = list(range(300))
-    client = VLLMPolicyClient(["http://vllm"], transport=transport)
-    plain = httpx.AsyncClient(transport=transport)
-
-    async def plain_call() -> None:
-        body = {**generate_body(prompt, params), "request_id": "r"}
-        (await plain.post("http://vllm" + GENERATE_PATH, json=body)).json()
-
-    async def per_call_us(fn) -> float:
-        runs = []
-        for _ in range(reps):
-            for _ in range(calls // 10):  # warm
-                await fn()
-            c0 = time.process_time()
-            for _ in range(calls):
-                await fn()
-            runs.append((time.process_time() - c0) * 1e6 / calls)
-        return float(np.median(runs))
-
-    try:
-        ours = await per_call_us(lambda: client.generate(prompt, params))
-        theirs = await per_call_us(plain_call)
-    finally:
-        await client.aclose()
-        await plain.aclose()
-    return {
-        "client_cpu_us_per_call": round(ours, 1),
-        "plain_httpx_cpu_us_per_call": round(theirs, 1),
-        "client_vs_plain_httpx": round(ours / theirs, 3),
-    }
-
-
 def _ms(values: np.ndarray, q: float) -> float:
     return round(float(np.nanpercentile(values, q)), 3)
 
@@ -558,7 +382,6 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
                                 '{"command": "ls"}}\n</tool_call>') + list(renderer.stop_token_ids)  # fmt: skip
         stub = StubClient(reply)
         out |= await call_path_cpu(renderer, args, args.episodes)
-        out |= await client_cpu()
         one = await measure(stub, renderer, args, 1, args.episodes)
         out |= _figures(one, "stub", "")
         out["stub_server_cpu_ms_per_call"] = round(one["cpu_s"] * 1000 / len(one["gateway_ms"]), 3)
@@ -609,13 +432,6 @@ def parse_args() -> argparse.Namespace:
         "both: gateway_added_over_agent_direct_ms_*. Slower; one episode at a time.",
     )
     p.add_argument("--json", action="store_true", help="Print one JSON object as last line.")
-    # the agent process (started by the bench itself)
-    p.add_argument("--agent", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--gateway", help=argparse.SUPPRESS)
-    p.add_argument("--control", help=argparse.SUPPRESS)
-    p.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--tag", default="", help=argparse.SUPPRESS)
-    p.add_argument("--vllm", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -625,9 +441,6 @@ if __name__ == "__main__":
     # a SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the vLLM server started here stops
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = parse_args()
-    if args.agent:
-        asyncio.run(agent_main(args))
-        raise SystemExit(0)
     if args.url and not args.model_dir:
         raise SystemExit("--url needs --model-dir (the tokenizer)")
     out = asyncio.run(main(args))

@@ -122,7 +122,7 @@ class VLLMPolicyClient:
         request_id = uuid.uuid4().hex
         tried: list[str] = []
         # A plain loop rather than tenacity's, and orjson rather than httpx's json: the two
-        # took ~80 µs of CPU per call, retried or not (~200 -> ~120 µs, gateway_bench.py's
+        # took ~80 µs of CPU per call, retried or not (~200 -> ~120 µs, bench/client_bench.py's
         # client_cpu_us_per_call).
         for attempt in itertools.count(1):
             url = self._pick(avoid=tried)

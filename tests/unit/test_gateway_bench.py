@@ -1,5 +1,6 @@
-"""bench/gateway_bench.py's own arithmetic: vLLM's time of one call read from its metrics,
-and the client CPU comparison (the bench itself needs a vLLM server: see its docstring)."""
+"""The benches' own arithmetic: vLLM's time of one call read from its metrics (the agent
+process of bench/gateway_bench.py, which itself needs a vLLM server) and the client CPU
+comparison of bench/client_bench.py."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ from pathlib import Path
 
 import httpx
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "gateway_bench.py"
-_spec = importlib.util.spec_from_file_location("gateway_bench", _PATH)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+
+def _load(name: str):
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+agent = _load("gateway_agent")
+client_bench = _load("client_bench")
 
 
 def _metrics(total_s: float, count: int) -> str:
@@ -44,13 +52,13 @@ def _server(finished_per_call: int):
 
 
 def test_a_calls_own_vllm_time_is_the_histograms_growth_over_it(monkeypatch):
-    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+    monkeypatch.setattr(agent, "SETTLE_S", 0.0)
 
     async def main(finished: int) -> float:
         async with _server(finished) as http:
-            assert await bench._e2e_ms(http, "http://v") == (1000.0, 4.0)
+            assert await agent._e2e_ms(http, "http://v") == (1000.0, 4.0)
             call = lambda: http.post("http://v/inference/v1/generate")  # noqa: E731
-            _, inside, _ = await bench._timed_vllm_call(http, "http://v", call)
+            _, inside, _ = await agent._timed_vllm_call(http, "http://v", call)
             return inside
 
     assert math.isclose(asyncio.run(main(1)), 50.0)
@@ -58,7 +66,7 @@ def test_a_calls_own_vllm_time_is_the_histograms_growth_over_it(monkeypatch):
 
 
 def test_client_cpu_compares_the_client_with_a_plain_post():
-    out = asyncio.run(bench.client_cpu(reps=1, calls=20))
+    out = asyncio.run(client_bench.client_cpu(reps=1, calls=20))
     assert out["client_cpu_us_per_call"] > 0 and out["plain_httpx_cpu_us_per_call"] > 0
     assert math.isclose(
         out["client_vs_plain_httpx"],
