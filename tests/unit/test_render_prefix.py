@@ -115,6 +115,21 @@ def test_rendering_turn_k_is_a_token_prefix_of_turn_k_plus_1(request, template, 
         previous = full
 
 
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_reply_cut_off_by_max_tokens_closes_as_a_from_scratch_render(request, template):
+    """The gateway continues a reply cut off by ``max_tokens`` (no end-of-turn token): the
+    sampled ids, then a delta opening with the template's whole closing text, read exactly
+    as the conversation rendered from scratch with the cut-off text as the reply."""
+    renderer = _renderer(request, template, "hermes")
+    messages = [{"role": "user", "content": "Write the sum to answer.txt."}]
+    cut_off = renderer.encode(ACTIONS["hermes"][0])[:5]  # mid tool call, no EOS
+    context = [*renderer.prompt_ids(messages), *cut_off]
+    follow_up = [{"role": "user", "content": "Your reply was cut off; go on."}]
+    context += renderer.tool_delta_ids(follow_up, ended_with_eos=False)
+    messages += [{"role": "assistant", "content": renderer.decode(cut_off)}, *follow_up]
+    assert renderer.decode(context) == renderer.decode(renderer.prompt_ids(messages))
+
+
 def test_bash_block_renders_no_tool_schemas_and_observations_as_user_turns(tiny_tokenizer):
     hermes = ChatRenderer(tiny_tokenizer, TOOLS)
     bash = ChatRenderer(tiny_tokenizer, TOOLS, action_format="bash_block")
