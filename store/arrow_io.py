@@ -10,7 +10,6 @@ scalar plus change points (:func:`version_runs` / :func:`expand_versions`).
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sandpiper.errors import StoreError
-from sandpiper.store import schema
+from sandpiper.store import schema, text
 from sandpiper.store.records import GroupRecord, GroupStatus, Split, TrainEpisode
 
 MIN_VALID_FOR_ADVANTAGE = 2
@@ -121,6 +120,8 @@ def _table(table, columns: dict[str, Any]) -> pa.Table:
     arrays = []
     for f in arrow:
         value = columns[f.name]
+        if not isinstance(value, pa.Array) and pa.types.is_string(f.type):
+            value = text.encode_column(value)  # NUL, lone surrogates: stored escaped
         arrays.append(value if isinstance(value, pa.Array) else pa.array(value, f.type))
     return pa.Table.from_arrays(arrays, schema=arrow)
 
@@ -235,7 +236,7 @@ def convert_groups(
         "run_id": [g.run_id for g in groups],
         "task_id": [g.task_id for g in groups],
         "split": [str(g.split) for g in groups],
-        "sampling_params": [json.dumps(g.sampling_params.to_json()) for g in groups],
+        "sampling_params": [text.dumps(g.sampling_params.to_json()) for g in groups],
         "n_episodes": [len(g.episodes) for g in groups],
         "n_valid": [sum(e.valid for e in g.episodes) for g in groups],
         "min_policy_version": [
@@ -268,7 +269,7 @@ def convert_groups(
         "valid": [e.valid for e in eps],
         "trainable": [e.trainable for e in eps],
         "reward": [e.reward for e in eps],
-        "reward_breakdown": [json.dumps(e.reward_breakdown) for e in eps],
+        "reward_breakdown": [text.dumps(e.reward_breakdown) for e in eps],
         "min_policy_version": [None if r is None else r[0] for r in ep_ranges],
         "max_policy_version": [None if r is None else r[1] for r in ep_ranges],
         "n_turns": [len(e.turns) for e in eps],
@@ -519,7 +520,7 @@ def train_episodes(
     episode_col, n_rows = turns["episode_id"], turns.num_rows
     changed = pc.not_equal(episode_col.slice(1), episode_col.slice(0, n_rows - 1))
     starts = np.flatnonzero(np.r_[True, changed.to_numpy(zero_copy_only=False)])
-    episode_ids = episode_col.take(pa.array(starts)).to_pylist()
+    episode_ids = text.decode_column(episode_col.take(pa.array(starts)))
     token_starts = np.r_[0, np.cumsum(lengths)]
     bounds = token_starts[np.r_[starts, n_rows]].tolist()
     # a user turn after an episode's first turn starts a new training sequence (segment)

@@ -40,15 +40,20 @@ from __future__ import annotations
 
 import pyarrow as pa
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
+
+from sandpiper.store.text import SafeJson, SafeText
 
 SCHEMA_VERSION = 6
 """Bump with a registered migration in ``store/migrations.py`` whenever a table changes."""
 
 metadata = sa.MetaData()
 
-# JSON text in DuckDB (json extension, bundled), JSONB on PostgreSQL.
-Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+Text = SafeText
+"""Every text column: any Python string (NUL, lone surrogates) round-trips on both backends;
+what a backend refuses is stored escaped after a marker (:mod:`sandpiper.store.text`)."""
+Json = SafeJson
+"""JSON text in DuckDB (json extension, bundled), JSONB on PostgreSQL; strings in it escaped
+as in :data:`Text`, non-finite floats as marker strings (:mod:`sandpiper.store.text`)."""
 Timestamp = sa.DateTime(timezone=True)
 
 
@@ -68,26 +73,26 @@ DuckDB, BYTEA in PostgreSQL."""
 schema_meta = sa.Table(
     "schema_meta",
     metadata,
-    sa.Column("key", sa.String, primary_key=True),
-    sa.Column("value", sa.String, nullable=False),
+    sa.Column("key", Text, primary_key=True),
+    sa.Column("value", Text, nullable=False),
     comment="Store metadata; key 'schema_version' holds the applied schema version.",
 )
 
 runs = sa.Table(
     "runs",
     metadata,
-    sa.Column("run_id", sa.String, primary_key=True),
+    sa.Column("run_id", Text, primary_key=True),
     sa.Column("config_json", Json, nullable=False, comment="Resolved run config."),
-    sa.Column("code_version", sa.String, nullable=False),
+    sa.Column("code_version", Text, nullable=False),
     sa.Column("created_at", Timestamp, nullable=False),
 )
 
 policies = sa.Table(
     "policies",
     metadata,
-    sa.Column("run_id", sa.String, primary_key=True),
+    sa.Column("run_id", Text, primary_key=True),
     sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("checkpoint_uri", sa.String, nullable=False),
+    sa.Column("checkpoint_uri", Text, nullable=False),
     sa.Column("parent_version", sa.Integer, comment="NULL for version 0."),
     sa.Column("learner_step", sa.Integer, comment="NULL for version 0."),
     sa.Column("created_at", Timestamp, nullable=False),
@@ -96,22 +101,22 @@ policies = sa.Table(
 tasks = sa.Table(
     "tasks",
     metadata,
-    sa.Column("task_id", sa.String, primary_key=True),
-    sa.Column("source", sa.String, nullable=False),
-    sa.Column("format", sa.String, nullable=False),
-    sa.Column("instruction", sa.String, nullable=False),
+    sa.Column("task_id", Text, primary_key=True),
+    sa.Column("source", Text, nullable=False),
+    sa.Column("format", Text, nullable=False),
+    sa.Column("instruction", Text, nullable=False),
     sa.Column("reference", Json, nullable=False),
-    sa.Column("data_uri", sa.String, comment="NULL for prompt-only tasks."),
-    sa.Column("split", sa.String, nullable=False),
+    sa.Column("data_uri", Text, comment="NULL for prompt-only tasks."),
+    sa.Column("split", Text, nullable=False),
 )
 
 groups = sa.Table(
     "groups",
     metadata,
-    sa.Column("group_id", sa.String, primary_key=True),
-    sa.Column("run_id", sa.String, nullable=False),
-    sa.Column("task_id", sa.String, nullable=False),
-    sa.Column("split", sa.String, nullable=False),
+    sa.Column("group_id", Text, primary_key=True),
+    sa.Column("run_id", Text, nullable=False),
+    sa.Column("task_id", Text, nullable=False),
+    sa.Column("split", Text, nullable=False),
     sa.Column("sampling_params", Json, nullable=False),
     sa.Column("n_episodes", sa.Integer, nullable=False),
     sa.Column("n_valid", sa.Integer, nullable=False),
@@ -120,17 +125,17 @@ groups = sa.Table(
     sa.Column("created_at", Timestamp, nullable=False),
     sa.Column("committed_at", Timestamp, nullable=False),
     # last: migration 2 appends it, and PostgreSQL's ingest copies rows by column position
-    sa.Column("collector_id", sa.String, comment="Collector that produced it; NULL if none."),
+    sa.Column("collector_id", Text, comment="Collector that produced it; NULL if none."),
 )
 
 group_states = sa.Table(
     "group_states",
     metadata,
-    sa.Column("group_id", sa.String, primary_key=True),
-    sa.Column("run_id", sa.String, nullable=False),
-    sa.Column("status", sa.String, nullable=False, comment="store.records.GroupStatus value."),
-    sa.Column("claim_id", sa.String, comment="Current or last claim; NULL if never claimed."),
-    sa.Column("claimed_by", sa.String, comment="learner_id of the claim."),
+    sa.Column("group_id", Text, primary_key=True),
+    sa.Column("run_id", Text, nullable=False),
+    sa.Column("status", Text, nullable=False, comment="store.records.GroupStatus value."),
+    sa.Column("claim_id", Text, comment="Current or last claim; NULL if never claimed."),
+    sa.Column("claimed_by", Text, comment="learner_id of the claim."),
     sa.Column("lease_expires_at", Timestamp, comment="A claim past this may be re-taken."),
     sa.Column("consumed_by_step", sa.Integer, comment="Learner step that trained on it."),
     sa.Column("updated_at", Timestamp, nullable=False),
@@ -140,12 +145,12 @@ group_states = sa.Table(
 episodes = sa.Table(
     "episodes",
     metadata,
-    sa.Column("episode_id", sa.String, primary_key=True),
-    sa.Column("group_id", sa.String, nullable=False),
-    sa.Column("run_id", sa.String, nullable=False),
-    sa.Column("task_id", sa.String, nullable=False),
+    sa.Column("episode_id", Text, primary_key=True),
+    sa.Column("group_id", Text, nullable=False),
+    sa.Column("run_id", Text, nullable=False),
+    sa.Column("task_id", Text, nullable=False),
     sa.Column("sample_index", sa.Integer, nullable=False),
-    sa.Column("stop_reason", sa.String, nullable=False, comment="records.StopReason value."),
+    sa.Column("stop_reason", Text, nullable=False, comment="records.StopReason value."),
     sa.Column("valid", sa.Boolean, nullable=False, comment="False: infra failure."),
     sa.Column("trainable", sa.Boolean, nullable=False),
     sa.Column("reward", sa.Double, comment="NULL when invalid or not scored."),
@@ -157,19 +162,19 @@ episodes = sa.Table(
     sa.Column("total_tokens", sa.Integer, nullable=False),
     sa.Column("started_at", Timestamp, nullable=False),
     sa.Column("duration_ms", sa.Double, nullable=False),
-    sa.Column("sandbox_id", sa.String),
-    sa.Column("error", sa.String, comment="Cause of an infra failure; NULL otherwise."),
+    sa.Column("sandbox_id", Text),
+    sa.Column("error", Text, comment="Cause of an infra failure; NULL otherwise."),
     sa.Index("ix_episodes_group", "group_id"),
 )
 
 turns = sa.Table(
     "turns",
     metadata,
-    sa.Column("episode_id", sa.String, nullable=False),
+    sa.Column("episode_id", Text, nullable=False),
     sa.Column("turn_index", sa.Integer, nullable=False),
-    sa.Column("group_id", sa.String, nullable=False),
-    sa.Column("role", sa.String, nullable=False, comment="records.Role value."),
-    sa.Column("text", sa.String, nullable=False),
+    sa.Column("group_id", Text, nullable=False),
+    sa.Column("role", Text, nullable=False, comment="records.Role value."),
+    sa.Column("text", Text, nullable=False),
     sa.Column("token_ids", Packed, nullable=False, comment="int32 little-endian, packed."),
     sa.Column("logprobs", Packed, comment="float32 LE sampling logprobs; NULL if not sampled."),
     sa.Column(
@@ -191,28 +196,28 @@ turns = sa.Table(
 tool_calls = sa.Table(
     "tool_calls",
     metadata,
-    sa.Column("episode_id", sa.String, nullable=False),
+    sa.Column("episode_id", Text, nullable=False),
     sa.Column("turn_index", sa.Integer, nullable=False),
     sa.Column("call_index", sa.Integer, nullable=False),
-    sa.Column("group_id", sa.String, nullable=False),
-    sa.Column("name", sa.String, nullable=False),
-    sa.Column("arguments", sa.String, nullable=False, comment="JSON text (raw if unparsable)."),
-    sa.Column("output", sa.String, nullable=False, comment="Capped head + tail."),
+    sa.Column("group_id", Text, nullable=False),
+    sa.Column("name", Text, nullable=False),
+    sa.Column("arguments", Text, nullable=False, comment="JSON text (raw if unparsable)."),
+    sa.Column("output", Text, nullable=False, comment="Capped head + tail."),
     sa.Column("output_bytes_total", sa.BigInteger, nullable=False),
     sa.Column("exit_code", sa.Integer),
     sa.Column("duration_ms", sa.Double, nullable=False),
     sa.Column("timed_out", sa.Boolean, nullable=False),
-    sa.Column("error_kind", sa.String, nullable=False, comment="records.ToolErrorKind value."),
+    sa.Column("error_kind", Text, nullable=False, comment="records.ToolErrorKind value."),
     sa.PrimaryKeyConstraint("episode_id", "turn_index", "call_index").ddl_if(dialect="postgresql"),
 )
 
 learner_steps = sa.Table(
     "learner_steps",
     metadata,
-    sa.Column("run_id", sa.String, primary_key=True),
+    sa.Column("run_id", Text, primary_key=True),
     sa.Column("step", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("policy_version", sa.Integer, nullable=False, comment="Version it produced."),
-    sa.Column("claim_id", sa.String, comment="Claim whose groups it consumed."),
+    sa.Column("claim_id", Text, comment="Claim whose groups it consumed."),
     sa.Column("n_groups", sa.Integer, nullable=False),
     sa.Column("metrics", Json, nullable=False),
     sa.Column("created_at", Timestamp, nullable=False),
@@ -221,8 +226,8 @@ learner_steps = sa.Table(
 learner_leases = sa.Table(
     "learner_leases",
     metadata,
-    sa.Column("run_id", sa.String, primary_key=True),
-    sa.Column("learner_id", sa.String, nullable=False, comment="host:pid:start:random."),
+    sa.Column("run_id", Text, primary_key=True),
+    sa.Column("learner_id", Text, nullable=False, comment="host:pid:start:random."),
     sa.Column("term", sa.Integer, nullable=False, comment="+1 at every change of leader."),
     sa.Column("expires_at", Timestamp, nullable=False, comment="Store clock; renewed."),
     sa.Column("acquired_at", Timestamp, nullable=False),
@@ -233,9 +238,9 @@ learner_leases = sa.Table(
 collectors = sa.Table(
     "collectors",
     metadata,
-    sa.Column("collector_id", sa.String, primary_key=True, comment="host:pid:start:random."),
-    sa.Column("run_id", sa.String, nullable=False),
-    sa.Column("host", sa.String, nullable=False, comment="collector.host_id or host name."),
+    sa.Column("collector_id", Text, primary_key=True, comment="host:pid:start:random."),
+    sa.Column("run_id", Text, nullable=False),
+    sa.Column("host", Text, nullable=False, comment="collector.host_id or host name."),
     sa.Column("pid", sa.Integer, nullable=False, comment="In its own PID namespace."),
     sa.Column("started_at", Timestamp, nullable=False),
     sa.Column("heartbeat_at", Timestamp, nullable=False, comment="Store clock."),
@@ -252,13 +257,13 @@ collectors = sa.Table(
 task_slots = sa.Table(
     "task_slots",
     metadata,
-    sa.Column("run_id", sa.String, primary_key=True),
-    sa.Column("task_id", sa.String, primary_key=True),
+    sa.Column("run_id", Text, primary_key=True),
+    sa.Column("task_id", Text, primary_key=True),
     sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("split", sa.String, nullable=False),
-    sa.Column("rank", sa.String, nullable=False, comment="Fixed tie-break order of tasks."),
-    sa.Column("status", sa.String, nullable=False, comment="free, leased or done."),
-    sa.Column("collector_id", sa.String, comment="Holder of the latest lease."),
+    sa.Column("split", Text, nullable=False),
+    sa.Column("rank", Text, nullable=False, comment="Fixed tie-break order of tasks."),
+    sa.Column("status", Text, nullable=False, comment="free, leased or done."),
+    sa.Column("collector_id", Text, comment="Holder of the latest lease."),
     sa.Column("lease", sa.Integer, nullable=False, comment="Times issued (0 = never)."),
     sa.Column("leased_at", Timestamp),
     sa.Column("done_at", Timestamp, comment="When its group was stored."),
@@ -272,6 +277,8 @@ BULK_TABLES = (groups, group_states, episodes, turns, tool_calls)
 
 def _arrow_type(col: sa.Column) -> pa.DataType:
     t = col.type
+    if isinstance(t, sa.types.TypeDecorator):
+        t = t.impl_instance
     if isinstance(t, sa.ARRAY):
         item = t.item_type
         return pa.list_(pa.float32() if isinstance(item, sa.REAL) else pa.int32())

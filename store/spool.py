@@ -41,7 +41,6 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import io
-import json
 import pickle
 from datetime import UTC, date, datetime, timedelta, timezone
 from typing import Any
@@ -50,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 
 from sandpiper.errors import StoreError
-from sandpiper.store import arrow_io, records, schema
+from sandpiper.store import arrow_io, records, schema, text
 from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,
@@ -202,10 +201,20 @@ def _dt(value: datetime | None) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+def _pylist(table: pa.Table) -> list[dict[str, Any]]:
+    """``table``'s rows as dicts, text columns decoded (:mod:`sandpiper.store.text`)."""
+    rows = table.to_pylist()
+    names = [f.name for f in table.schema if pa.types.is_string(f.type)]
+    for row in rows:
+        for n in names:
+            row[n] = text.decode(row[n])
+    return rows
+
+
 def tables_to_group(tables: dict[str, pa.Table], *, slot_lease: int | None) -> GroupRecord:
     """Rebuild the one group whose rows ``tables`` are (the inverse of
     :func:`~sandpiper.store.arrow_io.convert_groups` for one checked group)."""
-    (g,) = tables["groups"].to_pylist()
+    (g,) = _pylist(tables["groups"])
     turns_t = tables["turns"]
     lengths = arrow_io.packed_lengths(turns_t["token_ids"], "<i4")
     tokens = arrow_io.unpack(turns_t["token_ids"], "<i4")
@@ -214,7 +223,7 @@ def tables_to_group(tables: dict[str, pa.Table], *, slot_lease: int | None) -> G
     token_at = np.r_[0, np.cumsum(lengths)]
     lp_at = np.r_[0, np.cumsum(np.where(has_lp, lengths, 0))]
     calls: dict[tuple[str, int], list[ToolCallRecord]] = {}
-    for c in tables["tool_calls"].to_pylist():
+    for c in _pylist(tables["tool_calls"]):
         calls.setdefault((c["episode_id"], c["turn_index"]), []).append(
             ToolCallRecord(
                 index=c["call_index"],
@@ -229,10 +238,10 @@ def tables_to_group(tables: dict[str, pa.Table], *, slot_lease: int | None) -> G
             )
         )
     turns: dict[str, list[TurnRecord]] = {}
-    cols = turns_t.select(
+    cols = _pylist(turns_t.select(
         ["episode_id", "turn_index", "role", "text", "policy_version",
          "policy_version_changes", "trainable", "started_at", "duration_ms"]
-    ).to_pylist()  # fmt: skip
+    ))  # fmt: skip
     for i, t in enumerate(cols):
         n = int(lengths[i])
         lp = logprobs[lp_at[i] : lp_at[i + 1]] if has_lp[i] else None
@@ -263,14 +272,14 @@ def tables_to_group(tables: dict[str, pa.Table], *, slot_lease: int | None) -> G
             valid=e["valid"],
             trainable=e["trainable"],
             reward=e["reward"],
-            reward_breakdown=json.loads(e["reward_breakdown"]),
+            reward_breakdown=text.loads(e["reward_breakdown"]),
             turns=tuple(turns.get(e["episode_id"], ())),
             started_at=_dt(e["started_at"]),
             duration_ms=e["duration_ms"],
             sandbox_id=e["sandbox_id"],
             error=e["error"],
         )
-        for e in tables["episodes"].to_pylist()
+        for e in _pylist(tables["episodes"])
     )
     if sum(len(e.turns) for e in episodes) != turns_t.num_rows:
         raise ValueError("turn rows of episodes the group does not have")
@@ -279,7 +288,7 @@ def tables_to_group(tables: dict[str, pa.Table], *, slot_lease: int | None) -> G
         run_id=g["run_id"],
         task_id=g["task_id"],
         split=Split(g["split"]),
-        sampling_params=GroupSampling.from_json(json.loads(g["sampling_params"])),
+        sampling_params=GroupSampling.from_json(text.loads(g["sampling_params"])),
         episodes=episodes,
         created_at=_dt(g["created_at"]),
         collector_id=g["collector_id"],

@@ -45,7 +45,7 @@ def test_duckdb_ddl_matches_arrow_schema(tmp_path):
             arrow = schema.arrow_schema(table)
             for (name, sql_type, *_), field in zip(described, arrow, strict=True):
                 assert name == field.name
-                json_col = isinstance(table.c[name].type, sa.JSON)
+                json_col = isinstance(table.c[name].type, schema.Json)
                 assert sql_type == ("JSON" if json_col else ARROW_TO_DUCKDB[field.type]), name
     engine.dispose()
 

@@ -1,0 +1,215 @@
+"""Text the store can hold on every backend: a recorded, reversible escape for what one refuses.
+
+A model samples every token of its vocabulary and a tool prints every byte, so a record's
+strings may hold what a backend cannot store: PostgreSQL ``text`` and ``jsonb`` refuse NUL
+(``invalid byte sequence for encoding "UTF8": 0x00``; ``jsonb`` also ``\\u0000``), no UTF-8
+column can hold a lone surrogate (how Python keeps undecodable bytes: ``surrogateescape``
+turns byte ``0x80`` into ``"\\udc80"``), and PostgreSQL ``jsonb`` refuses non-finite numbers.
+
+The escape, applied to every text and JSON column of the store (:data:`SafeText`,
+:data:`SafeJson` in :mod:`sandpiper.store.schema`, and :func:`encode_column` on the Arrow bulk
+path):
+
+- A string that holds no NUL, no lone surrogate and does not start with :data:`MARKER` is
+  stored **verbatim** (every string a well-behaved run produces: SQL sees plain text).
+- Any other string is stored as ``MARKER`` followed by the string with three escapes:
+  ``\\`` → ``\\\\``, NUL → ``\\x00``, a surrogate code point → ``\\udXXX`` (four lower-case
+  hex digits). :func:`decode` reverses it exactly. ``MARKER`` is U+FFFE, a Unicode
+  noncharacter: valid UTF-8 that both backends store, and that text practically never
+  starts with (a string that does is escaped too, so decoding never guesses).
+- In JSON, every string (keys too) is escaped the same way, and the floats JSON cannot
+  carry (NaN, ±Infinity) are stored as the escaped strings ``MARKER + "NaN"``,
+  ``MARKER + "Infinity"``, ``MARKER + "-Infinity"`` (those strings cannot be the escape of
+  any string, whose escape never ends without one of its own characters: the marker is
+  followed by the string's text, and a string equal to "NaN" is stored verbatim).
+
+The token ids stay the ground truth of what was sampled; the text is for people and tools.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import pyarrow as pa
+import sqlalchemy as sa
+
+MARKER = "\ufffe"
+"""Starts every escaped value (a noncharacter: storable, never produced by a tokenizer's
+decode of ordinary text)."""
+
+_NEEDS_ESCAPE = re.compile("[\x00\ud800-\udfff]")
+_ESCAPED = re.compile(r"\\(\\|x00|u[dD][89a-fA-F][0-9a-fA-F]{2})")
+_NON_FINITE = {MARKER + "NaN": math.nan, MARKER + "Infinity": math.inf}
+_NON_FINITE[MARKER + "-Infinity"] = -math.inf
+
+
+def needs_escape(s: str) -> bool:
+    """True when ``s`` cannot be stored verbatim (see the module docstring)."""
+    if s.isascii():  # the usual case: a C-speed check, and only NUL can be wrong
+        return "\x00" in s
+    return s.startswith(MARKER) or _NEEDS_ESCAPE.search(s) is not None
+
+
+def _escape_char(m: re.Match[str]) -> str:
+    c = m.group(0)
+    if c == "\\":
+        return "\\\\"
+    if c == "\x00":
+        return "\\x00"
+    return f"\\u{ord(c):04x}"
+
+
+_TO_ESCAPE = re.compile("[\\\\\x00\ud800-\udfff]")
+
+
+def encode(s: str | None) -> str | None:
+    """``s`` as the store keeps it: verbatim, or escaped after :data:`MARKER`."""
+    if s is None or not needs_escape(s):
+        return s
+    return MARKER + _TO_ESCAPE.sub(_escape_char, s)
+
+
+def _unescape_char(m: re.Match[str]) -> str:
+    body = m.group(1)
+    if body == "\\":
+        return "\\"
+    if body == "x00":
+        return "\x00"
+    return chr(int(body[1:], 16))
+
+
+def decode(s: str | None) -> str | None:
+    """The string :func:`encode` was given (stored values that were never escaped, e.g. from
+    a store written before the escape existed, come back as they are)."""
+    if s is None or not s.startswith(MARKER):
+        return s
+    return _ESCAPED.sub(_unescape_char, s[1:])
+
+
+def encode_json_value(value: Any) -> Any:
+    """``value`` (JSON-like: dicts, lists, strings, numbers) with every string and key
+    escaped and non-finite floats replaced by their marker strings. Iterative: no nesting
+    depth exhausts the recursion limit."""
+    return _walk(value, _encode_leaf, _encode_key)
+
+
+def decode_json_value(value: Any) -> Any:
+    """The inverse of :func:`encode_json_value`."""
+    return _walk(value, _decode_leaf, decode)
+
+
+def _encode_key(k: Any) -> Any:
+    return encode(k) if isinstance(k, str) else k
+
+
+def _encode_leaf(v: Any) -> Any:
+    if isinstance(v, str):
+        return encode(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return MARKER + ("NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity")
+    return v
+
+
+def _decode_leaf(v: Any) -> Any:
+    if isinstance(v, str) and v.startswith(MARKER):
+        special = _NON_FINITE.get(v)
+        return special if special is not None else decode(v)
+    return v
+
+
+def _walk(value: Any, leaf, key) -> Any:
+    """``value`` rebuilt with ``leaf`` applied to scalars and ``key`` to dict keys, without
+    recursion (a hostile payload may nest far deeper than Python's stack)."""
+    if not isinstance(value, dict | list | tuple):
+        return leaf(value)
+    root: list[Any] = [None]
+    # (source container, the container to fill, its key or index there)
+    slots: list[tuple[Any, Any, Any]] = [(value, root, 0)]
+    while slots:
+        src, parent, slot = slots.pop()
+        if isinstance(src, dict):
+            out: Any = {}
+            parent[slot] = out
+            for k, v in src.items():
+                kk = key(k)
+                if isinstance(v, dict | list | tuple):
+                    out[kk] = None
+                    slots.append((v, out, kk))
+                else:
+                    out[kk] = leaf(v)
+        elif isinstance(src, list | tuple):
+            out = [None] * len(src)
+            parent[slot] = out
+            for i, v in enumerate(src):
+                if isinstance(v, dict | list | tuple):
+                    slots.append((v, out, i))
+                else:
+                    out[i] = leaf(v)
+        else:
+            parent[slot] = leaf(src)
+    return root[0]
+
+
+def dumps(value: Any) -> str:
+    """JSON text of ``value`` that both backends store unchanged (see the module docstring)."""
+    return json.dumps(encode_json_value(value), allow_nan=False)
+
+
+def loads(text: str | None) -> Any:
+    """The value :func:`dumps` was given (``None`` for ``None``)."""
+    if text is None:
+        return None
+    return decode_json_value(json.loads(text))
+
+
+def encode_column(values: list[str | None]) -> list[str | None]:
+    """:func:`encode` over one column's values (the Arrow bulk path)."""
+    return [v if v is None or not needs_escape(v) else encode(v) for v in values]
+
+
+def decode_column(col: pa.ChunkedArray | pa.Array) -> list[str | None]:
+    """The decoded Python strings of a text column read as Arrow."""
+    return [decode(v) for v in col.to_pylist()]
+
+
+class SafeText(sa.types.TypeDecorator):
+    """A text column that holds any Python string (escaped on the way in, decoded on the way
+    out; the column is a plain VARCHAR/TEXT: see the module docstring)."""
+
+    impl = sa.String
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        return encode(value)
+
+    def process_result_value(self, value, dialect):
+        return decode(value)
+
+
+class SafeJson(sa.types.TypeDecorator):
+    """A JSON column (JSONB on PostgreSQL) that holds any JSON-like value, including strings
+    with NUL or lone surrogates and non-finite floats (see the module docstring)."""
+
+    impl = sa.JSON
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect):
+        if dialect.name == "postgresql":
+            from sqlalchemy.dialects import postgresql
+
+            return dialect.type_descriptor(postgresql.JSONB())
+        return dialect.type_descriptor(sa.JSON())
+
+    def process_bind_param(self, value, dialect):
+        return encode_json_value(value)
+
+    def process_result_value(self, value, dialect):
+        if isinstance(value, str):  # DuckDB hands JSON back as text
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return value
+        return decode_json_value(value)
