@@ -1,8 +1,8 @@
 """The calls of one gateway episode become one stored trajectory (the native turn layout).
 
-- The first call, and every call that does not extend the previous one token for token
-  (see :mod:`sandpiper.collector.gateway.session`), contributes a ``user`` turn holding its whole
-  prompt: a **segment start**. The learner trains each segment as its own sequence, all
+- The first call, and every call that does not extend an earlier one token for token
+  (see :mod:`sandpiper.collector.gateway.session`), contributes a ``user`` turn holding its
+  whole prompt: a **segment start**. The learner trains each segment as its own sequence, all
   segments of an episode sharing the episode's advantage (``TrainEpisode.segment_starts``).
 - An extending call contributes a ``tool`` turn with only the appended ids (tool results,
   a new user message, the next generation prompt) — not trainable, exactly as the native
@@ -55,22 +55,39 @@ def call_id(call_index: int, tool_index: int) -> str:
 def assemble(
     calls: Sequence[GatewayCall], decode: Callable[[Sequence[int]], str]
 ) -> tuple[tuple[TurnRecord, ...], GatewayStats]:
-    """Turns of the stored trajectory, and the stats of how they were joined."""
-    turns: list[TurnRecord] = []
-    segments, restarts = 0, Counter[str]()
+    """Turns of the stored trajectory, and the stats of how they were joined.
+
+    Calls form a prefix tree (each extending call names its parent). A call that extends
+    the last call of a chain continues that chain; any other call starts a segment (its
+    whole prompt, a ``user`` turn): a restart, or a second branch from the same call (the
+    first branch keeps the chain). Chains are stored one after another, in the order they
+    started, so each is one contiguous training sequence even when an agent interleaved a
+    sub-agent's calls with its own."""
+    chains: list[list[GatewayCall]] = []
+    tail: dict[int, int] = {}
+    """Call index → the chain it ends."""
+    restarts = Counter[str]()
     for call in calls:
-        if call.extends:
-            if call.delta_ids:
-                turns.append(_plain(len(turns), Role.TOOL, call.delta_ids, call, decode))
-        else:
-            segments += 1
+        parent = call.parent if call.parent is not None else call.index - 1
+        chain = tail.pop(parent, None) if call.extends else None
+        if chain is None:
             if call.restart_reason is not None:
                 restarts[call.restart_reason] += 1
-            turns.append(_plain(len(turns), Role.USER, call.prompt_ids, call, decode))
-        turns.append(_sampled(len(turns), call))
+            chain = len(chains)
+            chains.append([])
+        chains[chain].append(call)
+        tail[call.index] = chain
+    turns: list[TurnRecord] = []
+    for chain in chains:
+        for k, call in enumerate(chain):
+            if k == 0:
+                turns.append(_plain(len(turns), Role.USER, call.prompt_ids, call, decode))
+            elif call.delta_ids:
+                turns.append(_plain(len(turns), Role.TOOL, call.delta_ids, call, decode))
+            turns.append(_sampled(len(turns), call))
     stats = GatewayStats(
         calls=len(calls),
-        segments=segments,
+        segments=len(chains),
         restart_reasons=dict(restarts),
         retokenization_mismatches=sum(c.retokenized_differs for c in calls),
     )

@@ -4,14 +4,17 @@ An unmodified agent sends its whole conversation as OpenAI messages on every cal
 on exactly what the model saw and sampled, the prompt of each call is built the way the
 native loop builds it (:mod:`sandpiper.collector.render`) whenever the agent's history allows it:
 
-- **Extends.** The request's messages start with the previous call's messages plus the
+- **Extends.** The request's messages start with an earlier call's messages plus the
   assistant message the gateway returned for it (compared by role, content and tool calls),
-  followed by new messages (tool results, a user turn). The prompt is then the previous
-  call's prompt ids + the ids the model sampled (exactly, not re-tokenized) + the new
-  messages rendered as a delta (:meth:`ChatRenderer.tool_delta_ids`), just as the native
-  loop appends tool results. The episode's token sequence only grows. A reply cut off by
-  ``max_tokens`` extends the same way: its ids stay as sampled, and the delta opens with the
-  template's whole closing text, which the model did not sample.
+  followed by new messages (tool results, a user turn). The prompt is then that call's
+  prompt ids + the ids the model sampled (exactly, not re-tokenized) + the new messages
+  rendered as a delta (:meth:`ChatRenderer.tool_delta_ids`), just as the native loop
+  appends tool results. Of all earlier calls, the one with the longest history the request
+  starts with is extended (a prefix tree): an agent that runs a sub-agent between two of
+  its own calls, or compacts its history and later calls from it, keeps each branch one
+  growing token sequence. A reply cut off by ``max_tokens`` extends the same way: its ids
+  stay as sampled, and the delta opens with the template's whole closing text, which the
+  model did not sample.
 - **Restarts.** Anything else (the agent rewrote, truncated or summarised its history, or a
   completions call whose prompt is not an extension) is rendered from scratch with the chat
   template: a new *segment* that starts a new training sequence sharing the episode's
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,7 +71,23 @@ class GatewayCall:
     """The model call's time: the PolicyClient's ``generate`` alone. The native loop's turns
     also count their decoding and parsing (~0.05 ms)."""
     tool_outputs: dict[str, str] = field(default_factory=dict)
-    """Tool results the agent sent back in the next call, by tool-call id."""
+    """Tool results the agent sent back in a later call, by tool-call id."""
+    parent: int | None = None
+    """Index of the call this one extends (None unless ``extends``)."""
+
+
+@dataclass(slots=True)
+class _Branch:
+    """What one chat call leaves for later calls to extend: the conversation the model saw."""
+
+    call: int
+    history: list[dict[str, Any]]
+    """Normalised messages of the call plus the assistant message returned."""
+    sent: Sequence[Mapping[str, Any]]
+    """The call's messages as the agent sent them: a message equal to its counterpart there
+    needs no normalising to be compared (agents resend their history unchanged, so a call
+    normalises only its new messages, not the whole history)."""
+    tools_key: bytes
 
 
 def normalise(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -127,6 +147,9 @@ def _arguments(arguments: Any) -> Any:
     return arguments if arguments is not None else {}
 
 
+_CALL_ID = re.compile(r"call_(\d+)_\d+")
+"""A tool-call id the gateway gave: ``call_<call index>_<tool index>``."""
+
 _FRESH_CACHE: OrderedDict[tuple[int, bytes], list[int]] = OrderedDict()
 _FRESH_CACHE_SIZE = 256
 
@@ -157,6 +180,23 @@ def _fresh_ids(
     return list(ids)
 
 
+def _why_not_extending(
+    branch: _Branch, messages: Sequence[Mapping[str, Any]], tools_key: bytes
+) -> str | None:
+    if tools_key != branch.tools_key:
+        return "the tools changed"
+    n = len(branch.history)
+    if len(messages) <= n:
+        return "the history is not longer than the previous call's"
+    sent = branch.sent
+    for i, (want, got) in enumerate(zip(branch.history, messages, strict=False)):
+        if (i >= len(sent) or got != sent[i]) and normalise(got) != want:
+            return f"message {i} differs from what the model saw"
+    if any(m.get("role") == "assistant" for m in messages[n:]):
+        return "the new messages include an assistant message the model did not sample"
+    return None
+
+
 class BudgetSpent(Exception):
     """A call refused because the episode's turn or token budget is spent."""
 
@@ -169,16 +209,11 @@ class EpisodeSession:
         self.episode_id = episode_id
         self.renderer = renderer
         self.calls: list[GatewayCall] = []
-        self._history: list[dict[str, Any]] | None = None
-        """Normalised messages of the last chat call plus the assistant message returned."""
-        self._sent: Sequence[Mapping[str, Any]] = ()
-        """The last chat call's messages as the agent sent them: a message equal to its
-        counterpart there needs no normalising to be compared (agents resend their history
-        unchanged, so a call normalises only its new messages, not the whole history)."""
-        self._context: list[int] = []
-        """Prompt ids + sampled ids of the last call."""
-        self._ended_with_eos = True
-        self._tools_key: bytes | None = None
+        self._branches: list[_Branch] = []
+        """One per chat call, in call order: the prefixes a later call may extend."""
+        self._parent: _Branch | None = None
+        """The branch the last :meth:`chat_prompt` extends (None: rendered from scratch)."""
+        self._tools_key = b""
         self.max_calls: int | None = None
         """Model calls allowed (the run's ``max_turns``); None = unlimited."""
         self.max_completion_tokens: int | None = None
@@ -235,16 +270,23 @@ class EpisodeSession:
         whether that differs from the splice; the server runs it after replying
         (:meth:`check_later`), so it adds no latency."""
         key = tools_key(tools)
-        reason = self._why_not_extending(messages, key)
         self._tools_key = key
-        if reason is not None:
+        parent, reason = self._longest_prefix(messages, key)
+        self._parent = parent
+        if parent is None:
             templ = [template_message(m) for m in messages]
             fresh = _fresh_ids(self.renderer, templ, tools, key)
             return fresh, False, [], (None if not self.calls else reason), None
-        assert self._history is not None
-        new = [template_message(m) for m in messages[len(self._history) :]]
-        delta = self.renderer.tool_delta_ids(new, ended_with_eos=self._ended_with_eos, tools=tools)
-        prompt = [*self._context, *delta]
+        base = self.calls[parent.call]
+        sampled = [int(t) for t in base.generation.token_ids_T]
+        ended_with_eos = bool(sampled) and sampled[-1] in self.renderer.stop_token_ids
+        # A turn cut off by max_tokens is continued like any other: its ids stay in the
+        # context as sampled, and the delta opens with the template's whole closing text
+        # (``ended_with_eos`` False), where a from-scratch render closes the assistant
+        # message the agent echoes back.
+        new = [template_message(m) for m in messages[len(parent.history) :]]
+        delta = self.renderer.tool_delta_ids(new, ended_with_eos=ended_with_eos, tools=tools)
+        prompt = [*base.prompt_ids, *sampled, *delta]
 
         def differs() -> bool:  # at episode close: the whole history's template form then
             templ = [template_message(m) for m in messages]
@@ -252,23 +294,20 @@ class EpisodeSession:
 
         return prompt, True, delta, None, differs
 
-    def _why_not_extending(
+    def _longest_prefix(
         self, messages: Sequence[Mapping[str, Any]], tools_key: bytes
-    ) -> str | None:
-        if self._history is None:
-            return "first call" if not self.calls else "previous call was not a chat call"
-        if tools_key != self._tools_key:
-            return "the tools changed"
-        n = len(self._history)
-        if len(messages) <= n:
-            return "the history is not longer than the previous call's"
-        sent = self._sent
-        for i, (want, got) in enumerate(zip(self._history, messages, strict=False)):
-            if (i >= len(sent) or got != sent[i]) and normalise(got) != want:
-                return f"message {i} differs from what the model saw"
-        if any(m.get("role") == "assistant" for m in messages[n:]):
-            return "the new messages include an assistant message the model did not sample"
-        return None
+    ) -> tuple[_Branch | None, str | None]:
+        """(the branch with the longest history that ``messages`` extend, None), or (None,
+        why the latest chat call is not extended). Branches are tried longest first, the
+        latest first among equals: an agent that extends its last call (the common case)
+        costs one comparison, and a shorter history is rejected by its length alone."""
+        if not self._branches:
+            return None, ("first call" if not self.calls else "no earlier chat call")
+        order = sorted(self._branches, key=lambda b: (len(b.history), b.call), reverse=True)
+        for branch in order:
+            if _why_not_extending(branch, messages, tools_key) is None:
+                return branch, None
+        return None, _why_not_extending(self._branches[-1], messages, tools_key)
 
     def record(
         self,
@@ -306,28 +345,29 @@ class EpisodeSession:
             duration_ms=duration_ms,
         )
         self.calls.append(call)
-        sampled = [int(t) for t in generation.token_ids_T]
-        self.completion_tokens += len(sampled)
-        self._context = [*prompt_ids, *sampled]
-        self._ended_with_eos = bool(sampled) and sampled[-1] in self.renderer.stop_token_ids
-        # A turn cut off by max_tokens is continued like any other: its ids stay in the
-        # context as sampled, and the next delta opens with the template's whole closing
-        # text (``ended_with_eos`` False), where a from-scratch render closes the assistant
-        # message the agent echoes back.
-        if messages is None or returned is None:
-            self._history, self._sent = None, ()  # a completions call: no chat history
-        else:
-            # an extending call's messages start with the history (compared equal just now)
-            kept = self._history if extends and self._history is not None else []
-            fresh = [normalise(m) for m in messages[len(kept) :]]
-            self._history = [*kept, *fresh, normalise(returned)]
-            self._sent = messages
+        self.completion_tokens += len(generation.token_ids_T)
+        if messages is None or returned is None:  # a completions call: it extends the last
+            call.parent = call.index - 1 if extends else None
+            return call
+        parent = self._parent if extends else None
+        call.parent = parent.call if parent is not None else None
+        # an extending call's messages start with the parent's history (compared equal)
+        kept = parent.history if parent is not None else []
+        fresh = [normalise(m) for m in messages[len(kept) :]]
+        self._branches.append(
+            _Branch(call.index, [*kept, *fresh, normalise(returned)], messages, self._tools_key)
+        )
         return call
 
     def _attach_tool_outputs(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        """Tool results go to the call whose tool call they answer (named by its id, see
+        :func:`~sandpiper.collector.gateway.assembly.call_id`; else the latest call)."""
         if not self.calls:
             return
-        last = self.calls[-1]
         for m in messages:
             if m.get("role") == "tool" and m.get("tool_call_id"):
-                last.tool_outputs[str(m["tool_call_id"])] = _content(m)
+                tool_id = str(m["tool_call_id"])
+                match = _CALL_ID.fullmatch(tool_id)
+                index = int(match.group(1)) if match else len(self.calls) - 1
+                if index < len(self.calls):
+                    self.calls[index].tool_outputs[tool_id] = _content(m)
