@@ -12,6 +12,7 @@ Both insert only groups whose ``group_id`` is not stored yet (idempotent ingest)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -186,7 +187,7 @@ class DuckDBBackend:
                 "(SELECT group_id FROM groups)"
             ).to_arrow_table()["group_id"]
         finally:
-            raw.unregister("_in_groups_ids")
+            _unregister(raw, "_in_groups_ids")
         new = new.combine_chunks()
         if len(new) == 0:
             return new
@@ -231,6 +232,7 @@ class PostgresBackend:
             pool_pre_ping=True,
             connect_args={"options": f"-c lock_timeout={ms} -c statement_timeout=0"},
         )
+        sa.event.listen(self._engine, "rollback", _forget_temp_tables)
 
     def prepare(self) -> None:
         pass
@@ -290,6 +292,16 @@ class PostgresBackend:
         self._engine.dispose()
 
 
+def _forget_temp_tables(conn: sa.Connection) -> None:
+    """A rolled-back transaction takes the temp tables it created with it: forget them, so
+    that the next write on this pooled connection creates them again (the first failed
+    commit used to leave every later one failing with ``relation "_in_groups" does not
+    exist``)."""
+    # a connection that is gone raises here; its replacement starts without temp tables
+    with contextlib.suppress(sa.exc.SQLAlchemyError):
+        conn.connection.info.pop("_in_groups", None)
+
+
 def copy_arrow(conn: sa.Connection, name: str, table: pa.Table) -> None:
     """COPY ``table`` into PostgreSQL table ``name`` as text rows formatted by Arrow compute.
 
@@ -326,7 +338,17 @@ def _duckdb_insert(raw: Any, name: str, table: pa.Table) -> None:
     try:
         raw.execute(f'INSERT INTO "{name}" ({cols}) SELECT {cols} FROM _in_rows')
     finally:
-        raw.unregister("_in_rows")
+        _unregister(raw, "_in_rows")
+
+
+def _unregister(raw: Any, name: str) -> None:
+    """Unregister an Arrow view. After a failed statement DuckDB refuses this too ("current
+    transaction is aborted"); that refusal must not hide the error that failed the insert
+    (the view goes with the connection anyway)."""
+    import duckdb
+
+    with contextlib.suppress(duckdb.Error):
+        raw.unregister(name)
 
 
 def fetch_arrow(conn: sa.Connection, sql: str, params: list | None = None) -> pa.Table:

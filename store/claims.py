@@ -9,13 +9,15 @@ nothing more than its cross-process file lock, which serialises every writer.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from datetime import datetime, timedelta
 
 import numpy as np
+import pyarrow as pa
 import sqlalchemy as sa
 
-from sandpiper.store import arrow_io, leases, schema
+from sandpiper.store import arrow_io, dead, leases, schema
 from sandpiper.store.records import (
     Fence,
     GroupStatus,
@@ -25,6 +27,8 @@ from sandpiper.store.records import (
     TrainGroup,
     utcnow,
 )
+
+log = logging.getLogger(__name__)
 
 
 def new_claim_id() -> str:
@@ -75,35 +79,84 @@ def claim(
             ),
         )
         own_first = sa.case((gs.c.claimed_by == learner_id, 0), else_=1)
+        claim_id = new_claim_id()
         pick = (
             sa.select(gs.c.group_id, g.c.task_id, g.c.min_policy_version)
             .join(g, g.c.group_id == gs.c.group_id)
             .where(gs.c.run_id == run_id, g.c.split == Split.TRAIN.value, eligible)
+            .where(sa.or_(gs.c.claim_id.is_(None), gs.c.claim_id != claim_id))
             .order_by(own_first, g.c.committed_at, g.c.group_id)
-            .limit(n_groups)
         )
-        if store.backend.skip_locked:
-            pick = pick.with_for_update(skip_locked=True, of=gs)
-        picked = conn.execute(pick).all()  # with what load_groups needs of the groups
-        ids = [r.group_id for r in picked]
-        if len(ids) < n_groups:
-            return None  # the stale drops above still commit: they must not block backpressure
-        claim_id = new_claim_id()
-        conn.execute(
-            sa.update(gs)
-            .where(gs.c.group_id.in_(ids))
-            .values(
-                status=CLAIMED,
-                claim_id=claim_id,
-                claimed_by=learner_id,
-                lease_expires_at=lease_deadline(lease_s),
-                updated_at=now,
+        groups: list[TrainGroup] = []
+        # A group that cannot be read is set aside and the claim picks another in its place
+        # (each round sets at least one aside, so this ends).
+        while (need := n_groups - len(groups)) > 0:
+            q = pick.limit(need)
+            if store.backend.skip_locked:
+                q = q.with_for_update(skip_locked=True, of=gs)
+            picked = conn.execute(q).all()  # with what load_groups needs of the groups
+            if len(picked) < need:
+                if groups:  # give back what this claim took; the next claim picks anew
+                    conn.execute(
+                        sa.update(gs)
+                        .where(gs.c.claim_id == claim_id, gs.c.status == CLAIMED)
+                        .values(status=READY, claim_id=None, claimed_by=None,
+                                lease_expires_at=None, updated_at=now)
+                    )  # fmt: skip
+                return None  # the stale drops above still commit: they must not block backpressure
+            ids = [r.group_id for r in picked]
+            conn.execute(
+                sa.update(gs)
+                .where(gs.c.group_id.in_(ids))
+                .values(
+                    status=CLAIMED,
+                    claim_id=claim_id,
+                    claimed_by=learner_id,
+                    lease_expires_at=lease_deadline(lease_s),
+                    updated_at=now,
+                )
             )
-        )
-        groups = load_groups(store, conn, ids, current, meta={r.group_id: r for r in picked})
+            loaded, unreadable = _load_readable(
+                store, conn, ids, current, meta={r.group_id: r for r in picked}
+            )
+            groups.extend(loaded)
+            if unreadable:
+                dead.set_aside_unreadable(conn, unreadable, run_id=run_id, now=now)
+                log.error(
+                    "%d claimed group(s) could not be read and were set aside (status "
+                    "'dead', listed in dead_groups; `sandpiper store retry-dead` gives them "
+                    "back): %s",
+                    len(unreadable), "; ".join(f"{g}: {e}" for g, e in unreadable.items()),
+                )  # fmt: skip
     return TrainBatch(
-        claim_id=claim_id, groups=groups, dropped_stale=int(dropped), current_version=current
+        claim_id=claim_id, groups=tuple(groups), dropped_stale=int(dropped), current_version=current
     )
+
+
+UNREADABLE = (ValueError, TypeError, IndexError, KeyError, pa.ArrowException)
+"""What turning stored rows into training arrays raises for rows it cannot use (a packed
+array of a length no dtype divides, a missing column value); a database error is not one
+of these and aborts the claim instead."""
+
+
+def _load_readable(
+    store, conn: sa.Connection, ids: list[str], current: int, meta: dict
+) -> tuple[tuple[TrainGroup, ...], dict[str, str]]:
+    """:func:`load_groups`, and when that fails, group by group: the readable groups, and
+    group_id → error for the others (the claim sets those aside instead of failing on them
+    forever)."""
+    try:
+        return load_groups(store, conn, ids, current, meta=meta), {}
+    except UNREADABLE:
+        pass
+    good: list[TrainGroup] = []
+    errors: dict[str, str] = {}
+    for gid in ids:
+        try:
+            good.extend(load_groups(store, conn, [gid], current, meta=meta))
+        except UNREADABLE as e:
+            errors[gid] = dead.short_error(e)
+    return tuple(good), errors
 
 
 def load_groups(

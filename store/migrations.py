@@ -143,6 +143,13 @@ def _duckdb_bulk_tables_without_keys(conn: sa.Connection) -> None:
         conn.exec_driver_sql(f'DROP TABLE "{old}"')
 
 
+@migration(7)
+def _dead_groups(conn: sa.Connection) -> None:
+    """``dead_groups``: groups set aside by a writer that could not commit them alone, or by
+    a learner that could not read them (no poison pill). A no-op on a fresh store."""
+    schema.dead_groups.create(conn, checkfirst=True)
+
+
 def latest_version() -> int:
     return max(MIGRATIONS)
 

@@ -86,6 +86,9 @@ class GroupStatus(StrEnum):
     DROPPED_STALE = "dropped_stale"
     INVALID = "invalid"
     """Too few valid episodes to compute an advantage."""
+    DEAD = "dead"
+    """Stored, but a learner could not read it: set aside in ``dead_groups`` (never trained
+    on until ``sandpiper store retry-dead`` gives it back)."""
 
 
 class Role(StrEnum):
@@ -371,6 +374,9 @@ class WriteOutcome(StrEnum):
     """ERROR: the id is stored with other episodes (another collector produced it)."""
     SUPERSEDED = "superseded"
     """ERROR: its slot was re-issued to another collector (this one was declared dead)."""
+    DEAD = "dead"
+    """ERROR: the store failed on this group alone while it took others (e.g. a value one
+    backend refuses): set aside in ``dead_groups`` / ``<spool>/dead/``, see retry-dead."""
 
 
 @dataclass(frozen=True, slots=True)

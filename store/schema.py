@@ -43,7 +43,7 @@ import sqlalchemy as sa
 
 from sandpiper.store.text import SafeJson, SafeText
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Bump with a registered migration in ``store/migrations.py`` whenever a table changes."""
 
 metadata = sa.MetaData()
@@ -269,6 +269,26 @@ task_slots = sa.Table(
     sa.Column("done_at", Timestamp, comment="When its group was stored."),
     sa.Index("ix_task_slots_run_status", "run_id", "status", "seq"),
     comment="Task slots (one GRPO group each) issued to collectors; docs/scaleout.md.",
+)
+
+dead_groups = sa.Table(
+    "dead_groups",
+    metadata,
+    sa.Column("group_id", Text, primary_key=True),
+    sa.Column("run_id", Text, nullable=False),
+    sa.Column("source", Text, nullable=False, comment="'writer': never committed; 'learner'."),
+    sa.Column("collector_id", Text, comment="Collector whose writer gave it up; NULL if none."),
+    sa.Column(
+        "error", Text, nullable=False, comment="Last error, as the writer or learner saw it."
+    ),
+    sa.Column(
+        "spool", Packed, comment="The group's spool file (writer): what retry-dead re-submits."
+    ),
+    sa.Column("attempts", sa.Integer, nullable=False, comment="Times it failed (retries too)."),
+    sa.Column("created_at", Timestamp, nullable=False),
+    sa.Column("updated_at", Timestamp, nullable=False),
+    comment="Groups that failed alone and were set aside so that nothing else waits on them "
+    "(docs/security.md: no poison pill); `sandpiper store retry-dead` re-submits them.",
 )
 
 BULK_TABLES = (groups, group_states, episodes, turns, tool_calls)

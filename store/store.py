@@ -39,6 +39,7 @@ from sandpiper.store.records import (
     TrainBatch,
     TrainEpisode,
     TrainGroup,
+    WriteOutcome,
     WriteReport,
     utcnow,
 )
@@ -329,6 +330,85 @@ class Store:
 
         return write(self, groups)
 
+    # ---- dead letters (store/dead.py): no group may stop the others ------------------------
+
+    def ping(self) -> None:
+        """One tiny real write (``schema_meta['pinged_at']``): raises when the store cannot
+        take writes now (down, locked past the timeout, out of disk). The writer asks this
+        before setting a group aside, so that an outage never turns good groups into dead
+        letters."""
+        meta = T.schema_meta
+        insert = postgresql.insert(meta).values(key="pinged_at", value=utcnow().isoformat())
+        with self.transaction() as conn:
+            conn.execute(
+                insert.on_conflict_do_update(
+                    index_elements=[meta.c.key], set_={"value": insert.excluded.value}
+                )
+            )
+
+    def record_dead_group(
+        self,
+        *,
+        group_id: str,
+        run_id: str,
+        source: str,
+        error: str,
+        spool: bytes | None = None,
+        collector_id: str | None = None,
+    ) -> None:
+        """List a group in ``dead_groups`` (again: one more attempt, the latest error)."""
+        from sandpiper.store import dead
+
+        with self.transaction() as conn:
+            dead.record(
+                conn, group_id=group_id, run_id=run_id, source=source, error=error,
+                now=utcnow(), spool=spool, collector_id=collector_id,
+            )  # fmt: skip
+
+    def dead_groups(self, run_id: str | None = None) -> list[Any]:
+        """The dead letters (oldest first), as :class:`~sandpiper.store.dead.DeadGroup`."""
+        from sandpiper.store import dead
+
+        with self.connect_readonly() as conn:
+            return dead.listed(conn, run_id)
+
+    def retry_dead(
+        self, *, run_id: str | None = None, group_ids: Sequence[str] | None = None
+    ) -> dict[str, str]:
+        """Re-submit dead letters (after a fix): a writer's group is written again from its
+        spool bytes, a learner's group is made READY again. Returns group_id → outcome
+        (``stored``, ``replayed``, ``ready``, or ``failed: <error>`` — still listed)."""
+        from sandpiper.store import dead, spool
+        from sandpiper.store.ingest import write
+
+        wanted = [
+            d for d in self.dead_groups(run_id) if group_ids is None or d.group_id in group_ids
+        ]
+        out: dict[str, str] = {}
+        for d in wanted:
+            try:
+                if d.source == dead.LEARNER:
+                    with self.transaction() as conn:
+                        dead.give_back_to_learner(conn, d.group_id, now=utcnow())
+                    out[d.group_id] = "ready"
+                    continue
+                with self.connect_readonly() as conn:
+                    data = dead.spool_of(conn, d.group_id)
+                if data is None:
+                    raise StoreError("no spool bytes were kept for it")
+                outcome = write(self, [spool.decode(data)]).outcomes[d.group_id]
+                if outcome not in (WriteOutcome.STORED, WriteOutcome.REPLAYED):
+                    raise StoreError(f"refused by the store: {outcome}")
+                with self.transaction() as conn:
+                    dead.remove(conn, d.group_id)
+                out[d.group_id] = str(outcome)
+            except Exception as e:  # stays listed with its new error; the others go on
+                error = dead.short_error(e)
+                self.record_dead_group(group_id=d.group_id, run_id=d.run_id, source=d.source,
+                                       error=error, collector_id=d.collector_id)  # fmt: skip
+                out[d.group_id] = f"failed: {error}"
+        return out
+
     # ---- collectors and task slots (store/collectors.py; docs/scaleout.md) ------------------
 
     def register_collector(
@@ -497,6 +577,9 @@ class Store:
             gs = T.group_states
             counts = conn.execute(sa.select(gs.c.status, sa.func.count()).group_by(gs.c.status))
             out["groups_by_status"] = {s: int(n) for s, n in counts}
+            out["dead_groups"] = int(
+                conn.execute(sa.select(sa.func.count()).select_from(T.dead_groups)).scalar_one()
+            )
         if isinstance(self.backend, DuckDBBackend):
             out["file_bytes"] = self.backend.path.stat().st_size
         return out

@@ -45,6 +45,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from sandpiper.errors import StoreError
+from sandpiper.store import dead as dead_letters
 from sandpiper.store import spool as spool_format
 from sandpiper.store.records import GroupRecord, WriteOutcome
 from sandpiper.store.validation import check_group
@@ -112,6 +113,8 @@ class GroupWriter:
         could not be read (``unreadable_files``): errors, kept in ``<spool>/rejected/``."""
         self.unreadable_files = 0
         """Spool files found unreadable at start (also counted in ``rejected_groups``)."""
+        self.dead_groups = 0
+        """Groups set aside: the store failed on each alone while it took the others."""
         for path in sorted(self.spool.glob("*.group")):
             try:
                 group = spool_format.decode(path.read_bytes())
@@ -210,26 +213,115 @@ class GroupWriter:
 
     def _run(self) -> None:
         failures = 0
+        self._record_local_dead()  # dead letters a previous run could not list in the store
         while (batch := self._take_batch()) is not None:
-            try:
-                report = self.store.write_groups_report([g for g, _ in batch])
-            except Exception as e:  # keep spooled; retry with backoff
-                self.last_error = e
-                log.warning("store commit failed (%s); retrying, groups stay spooled", e)
-                time.sleep(RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S) - 1)])
-                failures += 1
+            if self._commit(batch):
+                failures = 0
+                self.last_error = None
                 continue
-            failures = 0
-            self.last_error = None
-            for g, path in batch:
-                self._settle(g, path, report.outcomes.get(g.group_id, WriteOutcome.REPLAYED))
-            _fsync_dir(self.spool)
-            with self._cond:
-                for g, _ in batch:
-                    if g.group_id in self._pending:
-                        self._pending_episodes -= len(g.episodes)
-                        del self._pending[g.group_id]
-                self._cond.notify_all()
+            log.warning(
+                "store commit failed (%s); retrying, %d groups stay spooled in %s",
+                self.last_error, len(batch), self.spool,
+            )  # fmt: skip
+            time.sleep(RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S) - 1)])
+            failures += 1
+
+    def _commit(self, batch: list[tuple[GroupRecord, Path]]) -> bool:
+        """Commit ``batch``; when that fails, split it and commit the halves, down to the one
+        group that fails alone, which is set aside (:meth:`_set_aside`). False when the store
+        itself is unavailable (nothing set aside; the caller backs off and retries)."""
+        try:
+            report = self.store.write_groups_report([g for g, _ in batch])
+        except Exception as e:
+            self.last_error = e
+            if not self._store_answers():
+                return False
+            if len(batch) == 1:
+                return self._set_aside(batch[0], e)
+            mid = len(batch) // 2
+            return self._commit(batch[:mid]) and self._commit(batch[mid:])
+        for g, path in batch:
+            self._settle(g, path, report.outcomes.get(g.group_id, WriteOutcome.REPLAYED))
+        self._forget(batch)
+        return True
+
+    def _store_answers(self) -> bool:
+        """Whether the store takes an empty write now (an outage is no reason to give up a
+        group: only a group that fails while the store answers is set aside)."""
+        try:
+            self.store.ping()
+        except Exception as e:
+            log.debug("store does not answer: %s", e)
+            return False
+        return True
+
+    def _set_aside(self, item: tuple[GroupRecord, Path], error: Exception) -> bool:
+        """The group of ``item`` failed alone while the store answers: try it once more
+        (a transient conflict), then move it to ``<spool>/dead/`` and ``dead_groups`` so
+        that the groups behind it are committed (no poison pill)."""
+        group, path = item
+        try:
+            report = self.store.write_groups_report([group])
+        except Exception as again:
+            error = again
+        else:
+            self._settle(group, path, report.outcomes.get(group.group_id, WriteOutcome.REPLAYED))
+            self._forget([item])
+            return True
+        self.dead_groups += 1
+        dead_dir = self.spool / "dead"
+        dead_dir.mkdir(exist_ok=True)
+        kept = dead_dir / path.name
+        message = dead_letters.short_error(error)
+        if path.exists():
+            path.replace(kept)
+        else:  # the file went missing: keep what the group is from memory
+            write_durably(kept, spool_format.encode_checked(group), tmp=dead_dir / "new.tmp")
+        write_durably(kept.with_suffix(".error"), message.encode(), tmp=dead_dir / "err.tmp")
+        _fsync_dir(self.spool)
+        log.error(
+            "group %s set ASIDE: the store failed on it alone (%s); the others are committed. "
+            "Kept in %s and in the store's dead_groups; `sandpiper store retry-dead` "
+            "re-submits it after a fix", group.group_id, message, kept,
+        )  # fmt: skip
+        self._record_local_dead()
+        self._forget([item])
+        if self.on_outcome is not None:
+            try:
+                self.on_outcome(group, WriteOutcome.DEAD)
+            except Exception:
+                log.exception("on_outcome callback failed for %s", group.group_id)
+        return True
+
+    def _record_local_dead(self) -> None:
+        """List ``<spool>/dead/`` files in the store's ``dead_groups`` and delete each one
+        listed; what cannot be listed now stays on disk for the next try."""
+        dead_dir = self.spool / "dead"
+        for kept in sorted(dead_dir.glob("*.group")) if dead_dir.is_dir() else ():
+            try:
+                data = kept.read_bytes()
+                group = spool_format.decode(data)
+                err = kept.with_suffix(".error")
+                message = err.read_text("utf-8", "replace") if err.exists() else "unknown"
+                self.store.record_dead_group(
+                    group_id=group.group_id, run_id=group.run_id, source=dead_letters.WRITER,
+                    error=message, spool=data, collector_id=group.collector_id,
+                )  # fmt: skip
+            except Exception as e:
+                log.warning("dead letter %s not listed in the store yet (%s)", kept.name, e)
+                return
+            kept.unlink()
+            kept.with_suffix(".error").unlink(missing_ok=True)
+
+    def _forget(self, batch: list[tuple[GroupRecord, Path]]) -> None:
+        """Drop settled groups from the pending set (their files are gone or set aside)."""
+        _fsync_dir(self.spool)
+        with self._cond:
+            for g, _ in batch:
+                if g.group_id in self._pending:
+                    self._pending_episodes -= len(g.episodes)
+                    del self._pending[g.group_id]
+            self._cond.notify_all()
 
     def _quarantine_unreadable(self, path: Path, error: Exception) -> None:
         """Move a spool file this release cannot read to ``rejected/`` (never retried)."""
