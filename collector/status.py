@@ -28,6 +28,8 @@ class CollectorMetrics:
     """Groups the store reported newly stored (the only ones counted as done)."""
     groups_rejected: int = 0
     """Groups the store refused (duplicate id, superseded slot): errors, see the log."""
+    groups_dead: int = 0
+    """Groups set aside: the store failed on each alone (``sandpiper store dead``)."""
     invalid_total: int = 0
     completion_tokens_total: int = 0
     policy_version: int = 0
@@ -79,6 +81,7 @@ class CollectorMetrics:
             "episodes_total": self.episodes_total,
             "groups_total": self.groups_total,
             "groups_rejected": self.groups_rejected,
+            "groups_dead": self.groups_dead,
             "invalid_total": self.invalid_total,
             "episodes_in_flight": self.episodes_in_flight,
             "unconsumed_groups": self.unconsumed_groups,
@@ -101,6 +104,8 @@ def status_line(snap: dict[str, Any]) -> str:
         f"{snap['tokens_per_s']:.0f} tok/s | reward {reward} (valid {valid}) | "
         f"in flight {snap['episodes_in_flight']} ep, queue {snap['unconsumed_groups']} grp | "
         f"total {snap['episodes_total']} ep"
+        + (f" | DEAD {snap['groups_dead']} grp" if snap.get("groups_dead") else "")
+        + (f" | REFUSED {snap['groups_rejected']} grp" if snap.get("groups_rejected") else "")
     )
 
 

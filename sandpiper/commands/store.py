@@ -1,4 +1,5 @@
-"""``sandpiper store init | stats | migrate | export``: manage the trajectory store."""
+"""``sandpiper store init | stats | migrate | export | dead | retry-dead``: manage the trajectory
+store."""
 
 from __future__ import annotations
 
@@ -41,7 +42,14 @@ def register(app: typer.Typer) -> None:
     def stats(ctx: typer.Context, config: ConfigOption = None, url: UrlOption = None) -> None:
         """Print row counts, groups per status and the schema version as JSON."""
         with cli_errors():
-            typer.echo(json.dumps(_open(ctx, config, url).stats(), indent=2))
+            stats = _open(ctx, config, url).stats()
+            typer.echo(json.dumps(stats, indent=2))
+            if stats.get("dead_groups"):
+                typer.secho(
+                    f"WARNING: {stats['dead_groups']} dead group(s) set aside; see "
+                    "`sandpiper store dead`, fix the cause, then `sandpiper store retry-dead`",
+                    err=True, fg="red",
+                )  # fmt: skip
 
     @command(store_app, "migrate")
     def migrate(ctx: typer.Context, config: ConfigOption = None, url: UrlOption = None) -> None:
@@ -63,3 +71,39 @@ def register(app: typer.Typer) -> None:
 
             rows = export_parquet(_open(ctx, config, url), parquet)
             typer.echo(json.dumps(rows))
+
+    @command(store_app, "dead")
+    def dead(
+        ctx: typer.Context,
+        run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
+        config: ConfigOption = None,
+        url: UrlOption = None,
+    ) -> None:
+        """List the dead groups: set aside by a writer that could not commit them, or by a
+        learner that could not read them (one JSON object a line, with the error)."""
+        with cli_errors():
+            for d in _open(ctx, config, url).dead_groups(run):
+                row = {k: getattr(d, k) for k in d.__slots__}
+                typer.echo(json.dumps(row, default=str, ensure_ascii=False))
+
+    @command(store_app, "retry-dead")
+    def retry_dead(
+        ctx: typer.Context,
+        run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
+        group: Annotated[
+            list[str] | None, typer.Option("--group", help="Only this group id (repeatable).")
+        ] = None,
+        config: ConfigOption = None,
+        url: UrlOption = None,
+    ) -> None:
+        """Re-submit dead groups after fixing their cause: a writer's group is written again
+        from the spool bytes kept with it, a learner's group becomes ready again. Prints each
+        group's outcome; exits 1 if any is still dead."""
+        with cli_errors():
+            outcomes = _open(ctx, config, url).retry_dead(run_id=run, group_ids=group)
+            for gid, outcome in outcomes.items():
+                typer.echo(f"{gid}\t{outcome}")
+            failed = sum(o.startswith("failed") for o in outcomes.values())
+            typer.echo(f"{len(outcomes) - failed} re-submitted, {failed} still dead", err=True)
+            if failed:
+                raise typer.Exit(1)

@@ -76,3 +76,12 @@ def test_journal_survives_reopen_and_reuses_only_unfinished_seqs(tmp_path):
     assert reopened.start("a", gid) == (2, "r/a/2")
     reopened.abandon("r/a/2")  # cancelled on shutdown: stays pending, handed out again
     assert reopened.peek("a") == 2 and "r/a/2" in SeqJournal(path).pending
+
+
+def test_dead_and_refused_groups_are_loud_in_the_status_line():
+    metrics = CollectorMetrics()
+    assert "DEAD" not in status_line(metrics.snapshot())
+    metrics.groups_dead, metrics.groups_rejected = 2, 1
+    snap = metrics.snapshot()
+    assert snap["groups_dead"] == 2
+    assert status_line(snap).endswith("| DEAD 2 grp | REFUSED 1 grp")
