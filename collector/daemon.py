@@ -402,7 +402,9 @@ class Collector:
     def _gateway(self) -> Gateway:
         """The gateway external-agent tasks talk to: this collector's client, renderer and
         sampling, so its episodes are sampled exactly like native ones."""
-        settings = GatewaySettings.from_limits(self.limits, run_id=self.run_id)
+        settings = GatewaySettings.from_limits(
+            self.limits, run_id=self.run_id, sampling_policy=self.cc.gateway_sampling
+        )
         return Gateway(client=self.client, renderer=self.renderer, settings=settings)
 
     async def _episode_in_sandbox(self, task: Task, index: int) -> EpisodeRecord:

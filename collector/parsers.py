@@ -336,6 +336,13 @@ def _why(e: BaseException) -> str:
     return str(e)[:200]
 
 
+def check_call_size(call: ParsedToolCall, max_bytes: int) -> ParsedToolCall:
+    """``call``, or a malformed one when its arguments cannot be run or stored: larger than
+    ``max_bytes`` of JSON, nested too deep, not finite, not valid Unicode (every parser's
+    last check)."""
+    return _check_size(call, max_bytes)
+
+
 def _check_size(call: ParsedToolCall, max_bytes: int) -> ParsedToolCall:
     if not call.ok:  # the raw text is stored: keep it storable
         name, raw = safe_text(call.name), safe_text(call.arguments_json)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from sandpiper.collector.client_tools import PLAIN_TEXT_FORMATS, plain_history
 from sandpiper.collector.parsers import ToolFormat, format_observation
 from sandpiper.errors import ConfigError, InferenceError
 
@@ -115,9 +116,13 @@ class ChatRenderer:
     ) -> str:
         """Template text of ``messages``; ``tools`` overrides the renderer's tool schemas
         (the gateway renders each request with the tools its client sent). The bash-block
-        format renders no tool schemas (its protocol is in the system prompt)."""
+        format renders no tool schemas: the native loop's protocol is in its system prompt,
+        and a gateway client's ``tools`` are described as text
+        (:func:`sandpiper.collector.client_tools.plain_history`)."""
         rendered_tools = self.tools if tools is None else [dict(t) for t in tools]
-        if self.action_format == "bash_block":
+        if self.action_format in PLAIN_TEXT_FORMATS:
+            if tools:
+                messages = plain_history(messages, tools)
             rendered_tools = []
         return self.tokenizer.apply_chat_template(
             list(messages),
@@ -170,8 +175,8 @@ class ChatRenderer:
         """Ids to append after a finished assistant turn: the tool results and the next
         generation prompt. ``ended_with_eos`` is False when the sampled turn did not end
         with the end-of-turn token (the template's whole closing text is then added)."""
-        if self.action_format == "bash_block":
-            tool_messages = [_as_user_turn(tool_messages)]
+        if self.action_format in PLAIN_TEXT_FORMATS:
+            tool_messages = _observation_turns(tool_messages)
         lead = self._after_eos if ended_with_eos else self._after_content
         return self.encode(lead + self._delta_text(tool_messages, tools, self._delta_without_tools))
 
@@ -357,6 +362,23 @@ def _has_first_only_prefix(pre_tokenizer: Any) -> bool:
     if isinstance(pre_tokenizer, list):
         return any(_has_first_only_prefix(v) for v in pre_tokenizer)
     return False
+
+
+def _observation_turns(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """bash_block: each run of tool messages as one user turn (:func:`_as_user_turn`); other
+    messages (a gateway client's own user turn) as they are."""
+    out: list[Mapping[str, Any]] = []
+    run: list[Mapping[str, Any]] = []
+    for m in [*messages, {"role": "end"}]:
+        if m.get("role") == "tool":
+            run.append(m)
+            continue
+        if run:
+            out.append(_as_user_turn(run))
+            run = []
+        if m.get("role") != "end":
+            out.append(m)
+    return out
 
 
 def _as_user_turn(tool_messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

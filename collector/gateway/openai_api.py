@@ -1,17 +1,18 @@
 """The OpenAI wire format at the gateway's edge: request checks, responses, errors.
 
-Only what the gateway can honour exactly is accepted; anything else is an OpenAI-style
-``400`` naming the parameter (``{"error": {"message", "type", "param", "code"}}``), so an
-agent learns at once instead of silently getting something else:
+What the gateway cannot honour exactly is an OpenAI-style ``400`` naming the parameter
+(``{"error": {"message", "type", "param", "code"}}``), so an agent learns at once instead of
+silently getting something else:
 
 - ``n`` must be 1 (a GRPO group is made of episodes, not of choices), ``logit_bias``,
-  ``response_format``, ``functions``/``function_call`` (use ``tools``), ``logprobs`` /
-  ``top_logprobs`` (the gateway records sampling logprobs itself), ``stop`` strings,
-  ``audio``/``modalities`` and non-text content parts are refused.
-- Sampling is the run's (``collector.temperature``, ``top_p``): a training sample must come
-  from the policy the learner corrects for, so a request's ``temperature``/``top_p`` is
-  ignored (counted in the gateway's status). ``max_tokens``/``max_completion_tokens`` cap
-  the completion below the run's ``max_tokens_per_turn``.
+  ``response_format``, ``functions``/``function_call`` (use ``tools``), non-zero
+  ``presence_penalty``/``frequency_penalty``, ``audio``/``modalities`` and non-text content
+  parts are refused.
+- The sampling fields (``stop``, ``logprobs``/``top_logprobs``, ``seed``, ``temperature``,
+  ``top_p``, ``max_tokens``, ``parallel_tool_calls``) are read and checked against the run's
+  sampling policy by :mod:`sandpiper.collector.gateway.request_params`; fields that change
+  nothing (``user``, ``metadata``, ``prompt_cache_key``, unknown ``extra_body`` keys) are
+  accepted and logged once.
 - ``tool_choice``: ``auto`` (default) and ``none`` (no tools rendered or parsed) are exact;
   ``required`` and a named function are accepted but not enforced by constrained decoding —
   the model answers as it would under ``auto`` (documented in docs/gateway.md).
@@ -22,10 +23,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
+
+from sandpiper.collector.inference.base import Generation
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -36,9 +39,6 @@ REFUSED = (
     "response_format",
     "functions",
     "function_call",
-    "logprobs",
-    "top_logprobs",
-    "stop",
     "audio",
     "modalities",
     "prediction",
@@ -50,10 +50,12 @@ REFUSED = (
 
 KNOWN = {
     "model", "messages", "prompt", "tools", "tool_choice", "n", "stream", "stream_options",
-    "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "user",
-    "parallel_tool_calls", "presence_penalty", "frequency_penalty", "metadata", "store",
-    "service_tier", "reasoning_effort", *REFUSED,
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+    "logprobs", "top_logprobs", "parallel_tool_calls", "presence_penalty",
+    "frequency_penalty", *REFUSED,
 }  # fmt: skip
+"""Fields the chat and completions routes read; any other is accepted and logged once
+(:func:`~sandpiper.collector.gateway.request_params.note_ignored`)."""
 
 
 class APIError(Exception):
@@ -152,16 +154,13 @@ def check_common(body: Mapping[str, Any], model_names: Sequence[str]) -> None:
                 400, f"the parameter {key!r} is not supported by the Sandpiper gateway",
                 param=key, code="unsupported_parameter",
             )  # fmt: skip
-    unknown = sorted(set(body) - KNOWN)
-    if unknown:
-        raise APIError(
-            400, f"unrecognized request argument supplied: {unknown[0]}",
-            param=unknown[0], code="unsupported_parameter",
-        )  # fmt: skip
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise APIError(400, f"{key} must be a positive integer", param=key)
+    for key in ("presence_penalty", "frequency_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise APIError(
+                400, f"{key} is not supported by the Sandpiper gateway (only 0): it changes "
+                "the distribution the learner corrects for",
+                param=key, code="unsupported_parameter",
+            )  # fmt: skip
 
 
 def check_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -227,6 +226,7 @@ def chat_response(
     finish_reason: str,
     prompt_tokens: int,
     completion_tokens: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": response_id,
@@ -234,7 +234,12 @@ def chat_response(
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": 0, "message": dict(message), "logprobs": None, "finish_reason": finish_reason}
+            {
+                "index": 0,
+                "message": dict(message),
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         ],
         "usage": _usage(prompt_tokens, completion_tokens),
     }
@@ -249,20 +254,24 @@ def chat_chunks(
     prompt_tokens: int,
     completion_tokens: int,
     include_usage: bool,
+    logprobs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """The streamed form of a finished completion (role, content, tool calls, finish)."""
+    """The streamed form of a finished completion (role with the logprobs, content, tool
+    calls, finish)."""
     created = int(time.time())
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, lp: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         return {
             "id": response_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
         }
 
-    chunks = [chunk({"role": "assistant", "content": ""})]
+    chunks = [chunk({"role": "assistant", "content": ""}, lp=logprobs)]
     if message.get("content"):
         chunks.append(chunk({"content": message["content"]}))
     for i, call in enumerate(message.get("tool_calls") or []):
@@ -290,13 +299,16 @@ def completion_response(
     finish_reason: str,
     prompt_tokens: int,
     completion_tokens: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": response_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
         "usage": _usage(prompt_tokens, completion_tokens),
     }
 
@@ -304,3 +316,41 @@ def completion_response(
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}  # fmt: skip
+
+
+def chat_logprobs(generation: Generation, decode: Callable[[Sequence[int]], str]) -> dict[str, Any]:
+    """``choices[0].logprobs`` of a chat completion: every sampled token (the end-of-turn
+    token included) with the logprob vLLM sampled it with, and its ``top_logprobs`` when
+    asked. A token's text is its own decoding; ``bytes`` are that text's UTF-8."""
+    top = generation.top_logprobs
+    content = []
+    for i, (tid, lp) in enumerate(zip(generation.token_ids_T, generation.logprobs_T, strict=True)):
+        token = decode([int(tid)])
+        alternatives = [] if top is None else [
+            {"token": (t := decode([cid])), "logprob": float(clp), "bytes": list(t.encode())}
+            for cid, clp in top[i]
+        ]  # fmt: skip
+        content.append({"token": token, "logprob": float(lp), "bytes": list(token.encode()),
+                        "top_logprobs": alternatives})  # fmt: skip
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    generation: Generation, decode: Callable[[Sequence[int]], str]
+) -> dict[str, Any]:
+    """``choices[0].logprobs`` of a legacy completion (tokens, their logprobs, the top ones
+    as ``{token: logprob}``, each token's offset in the text)."""
+    tokens = [decode([int(t)]) for t in generation.token_ids_T]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    top = generation.top_logprobs
+    return {
+        "tokens": tokens,
+        "token_logprobs": [float(x) for x in generation.logprobs_T],
+        "top_logprobs": None
+        if top is None
+        else [{decode([cid]): float(clp) for cid, clp in position} for position in top],
+        "text_offset": offsets,
+    }

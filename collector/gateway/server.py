@@ -42,17 +42,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from sandpiper.collector.client_tools import client_calls
 from sandpiper.collector.gateway import openai_api as api
 from sandpiper.collector.gateway.assembly import call_id
-from sandpiper.collector.gateway.session import BudgetSpent, EpisodeSession
-from sandpiper.collector.inference.base import Generation, PolicyClient, SamplingParams
-from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
-from sandpiper.collector.parsers import (
-    DEFAULT_MAX_ARGUMENT_BYTES,
-    ParsedMessage,
-    ToolFormat,
-    parse_tool_calls,
+from sandpiper.collector.gateway.request_params import (
+    RequestParams,
+    RunSampling,
+    SamplingPolicy,
+    chat_params,
+    cut_at_stop,
+    log_request,
+    note_ignored,
 )
+from sandpiper.collector.gateway.session import BudgetSpent, EpisodeSession
+from sandpiper.collector.inference.base import Generation, PolicyClient
+from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
+from sandpiper.collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES, ParsedMessage, ToolFormat
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.errors import InferenceError
 from sandpiper.store.records import utcnow
@@ -79,11 +84,21 @@ class GatewaySettings:
     max_tokens_per_turn: int = 256
     context_limit: int = 2048
     max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES
+    sampling_policy: SamplingPolicy = "run"
+    """Whether a request's temperature, top_p and seed are refused (``run``) or honoured
+    (``client``): ``collector.gateway_sampling``, see :mod:`.request_params`."""
+
+    @property
+    def run_sampling(self) -> RunSampling:
+        return RunSampling(self.temperature, self.top_p, self.sampling_policy)
 
     @classmethod
-    def from_limits(cls, limits: Any, *, run_id: str) -> GatewaySettings:
+    def from_limits(
+        cls, limits: Any, *, run_id: str, sampling_policy: SamplingPolicy = "run"
+    ) -> GatewaySettings:
         """The gateway samples exactly like the native loop: the run's ``EpisodeLimits``."""
         return cls(
+            sampling_policy=sampling_policy,
             model_names=(GATEWAY_MODEL_NAME, run_id),
             tool_format=limits.tool_format,
             temperature=limits.temperature,
@@ -99,8 +114,6 @@ class _Episode:
         self.session = session
         self.exec_fn = exec_fn
         self.lock = asyncio.Lock()
-        self.ignored_sampling = 0
-        """Requests whose temperature/top_p were ignored for the run's."""
 
 
 class Gateway:
@@ -239,19 +252,12 @@ class Gateway:
 
     async def _handle(self, request: Request, *, chat: bool) -> Response:
         eid = request.path_params["eid"]
-        episode = self._episodes.get(eid)
-        if episode is None:
+        if eid not in self._episodes:
             return _not_found(eid)
         try:
             body = api.parse_body(await request.body())
-            api.check_common(body, self.settings.model_names)
-            if body.get("temperature") is not None or body.get("top_p") is not None:
-                episode.ignored_sampling += 1
-            async with episode.lock:
-                if chat:
-                    payload = await self._chat_call(episode.session, body)
-                else:
-                    payload = await self._completion_call(episode.session, body)
+            log_request(eid, request.url.path, body)
+            payload = await self.call(eid, body, chat=chat)
         except api.APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
         if body.get("stream"):
@@ -259,26 +265,52 @@ class Gateway:
             return StreamingResponse(_sse(payload, body, chat), media_type="text/event-stream")
         return Response(api.encode_json(payload), media_type="application/json")
 
-    async def _chat_call(self, session: EpisodeSession, body: dict[str, Any]) -> dict[str, Any]:
+    def session(self, eid: str) -> EpisodeSession:
+        """The open episode ``eid``'s session (APIError 404 when there is none)."""
+        episode = self._episodes.get(eid)
+        if episode is None:
+            raise _not_found_error(eid)
+        return episode.session
+
+    async def call(self, eid: str, body: dict[str, Any], *, chat: bool = True) -> dict[str, Any]:
+        """One chat (or completions) request of episode ``eid`` → its response payload.
+
+        The Responses and Messages APIs convert their requests into chat requests and come
+        here, so every API shares the renderer, parser, sampler and assembly."""
+        episode = self._episodes.get(eid)
+        if episode is None:
+            raise _not_found_error(eid)
+        api.check_common(body, self.settings.model_names)
+        note_ignored(body, known=api.KNOWN)
+        params = chat_params(body, completions=not chat)
+        params.check(self.settings.run_sampling)
+        async with episode.lock:
+            if chat:
+                return await self._chat_call(episode.session, body, params)
+            return await self._completion_call(episode.session, body, params)
+
+    async def _chat_call(
+        self, session: EpisodeSession, body: dict[str, Any], params: RequestParams
+    ) -> dict[str, Any]:
         messages = api.check_messages(body)
         tools = api.check_tools(body)
         prompt, extends, delta, reason, check = session.chat_prompt(messages, tools)
         generation, started, model_ms = await self._generate(
-            prompt, _budget(session, body, self._cap())
+            prompt, _budget(session, body, self._cap()), params
         )
+        generation, stop_at = cut_at_stop(generation, params.stop, self.renderer.decode)
         text = self.renderer.decode(generation.token_ids_T.tolist())
-        visible = self.renderer.strip_eos(text)
-        if tools:
-            parsed = parse_tool_calls(
-                visible,
-                self.settings.tool_format,
-                tool_schemas=tools,
+        visible = self.renderer.strip_eos(text) if stop_at is None else text[:stop_at]
+        if tools:  # calls to tools the client did not declare are the model's errors
+            parsed = client_calls(
+                visible, self.settings.tool_format, tools,
+                parallel=params.parallel_tool_calls,
                 max_argument_bytes=self.settings.max_argument_bytes,
-            )
+            )  # fmt: skip
         else:
             parsed = ParsedMessage(content=visible, tool_calls=())
         index = len(session.calls)
-        good = [c for c in parsed.tool_calls if c.ok]
+        good = [(i, c) for i, c in enumerate(parsed.tool_calls) if c.ok]
         message: dict[str, Any] = {"role": "assistant"}
         if good:
             # Malformed blocks stay visible to the agent as text, like a native observation.
@@ -287,7 +319,7 @@ class Gateway:
             message["tool_calls"] = [
                 {"id": call_id(index, i), "type": "function",
                  "function": {"name": c.name, "arguments": c.arguments_json}}
-                for i, c in enumerate(good)
+                for i, c in good
             ]  # fmt: skip
         else:
             message["content"] = visible
@@ -295,7 +327,7 @@ class Gateway:
         call = session.record(
             endpoint="chat", prompt_ids=prompt, extends=extends, delta_ids=delta,
             restart_reason=reason, retokenized_differs=False, generation=generation,
-            text=text, tool_calls=tuple(good), started_at=started,
+            text=text, tool_calls=parsed.tool_calls, started_at=started,
             duration_ms=model_ms, messages=messages, returned=message,
         )  # fmt: skip
         if check is not None:  # the re-tokenization check runs when the episode closes
@@ -307,10 +339,13 @@ class Gateway:
             finish_reason=finish,
             prompt_tokens=len(prompt),
             completion_tokens=len(generation.token_ids_T),
+            logprobs=api.chat_logprobs(generation, self.renderer.decode)
+            if params.logprobs
+            else None,
         )
 
     async def _completion_call(
-        self, session: EpisodeSession, body: dict[str, Any]
+        self, session: EpisodeSession, body: dict[str, Any], params: RequestParams
     ) -> dict[str, Any]:
         prompt_in = body.get("prompt")
         if isinstance(prompt_in, str):
@@ -332,8 +367,9 @@ class Gateway:
             extends and previous is not None) else []  # fmt: skip
         reason = None if previous is None or extends else "the prompt does not extend the last"
         generation, started, model_ms = await self._generate(
-            prompt, _budget(session, body, self._cap())
+            prompt, _budget(session, body, self._cap()), params
         )
+        generation, stop_at = cut_at_stop(generation, params.stop, self.renderer.decode)
         text = self.renderer.decode(generation.token_ids_T.tolist())
         session.record(
             endpoint="completions", prompt_ids=prompt, extends=extends, delta_ids=delta,
@@ -344,25 +380,30 @@ class Gateway:
         return api.completion_response(
             response_id=f"cmpl-{session.episode_id[:12]}-{len(session.calls) - 1}",
             model=body["model"],
-            text=self.renderer.strip_eos(text),
+            text=self.renderer.strip_eos(text) if stop_at is None else text[:stop_at],
             finish_reason="length" if generation.finish_reason == "length" else "stop",
             prompt_tokens=len(prompt),
             completion_tokens=len(generation.token_ids_T),
+            logprobs=api.completion_logprobs(generation, self.renderer.decode)
+            if params.logprobs
+            else None,
         )
 
     def _cap(self) -> int:
         return self.settings.max_tokens_per_turn
 
-    async def _generate(self, prompt: list[int], cap: int) -> tuple[Generation, datetime, float]:
+    async def _generate(
+        self, prompt: list[int], cap: int, request: RequestParams | None = None
+    ) -> tuple[Generation, datetime, float]:
         """(generation, when the model call started, its duration in ms): the time of the
-        client's ``generate`` alone, recorded as the call's ``duration_ms``."""
+        client's ``generate`` alone, recorded as the call's ``duration_ms``. ``request``:
+        the client's sampling fields, already checked against the run's policy."""
         room = self.settings.context_limit - len(prompt)
         if room < 1:
             raise _context_error(len(prompt), self.settings.context_limit)
-        params = SamplingParams(
+        params = (request or RequestParams()).sampling_params(
+            self.settings.run_sampling,
             max_tokens=min(cap, room),
-            temperature=self.settings.temperature,
-            top_p=self.settings.top_p,
             stop_token_ids=self.renderer.stop_token_ids,
         )
         started, t0 = utcnow(), time.perf_counter()
@@ -409,11 +450,15 @@ def _context_error(n_prompt: int, limit: int) -> api.APIError:
     )
 
 
-def _not_found(eid: str) -> Response:
-    err = api.APIError(
+def _not_found_error(eid: str) -> api.APIError:
+    return api.APIError(
         404, f"no open episode {eid!r} on this gateway (closed, or never opened)",
         code="episode_not_found",
     )  # fmt: skip
+
+
+def _not_found(eid: str) -> Response:
+    err = _not_found_error(eid)
     return JSONResponse(err.body(), status_code=404)
 
 
@@ -429,6 +474,7 @@ async def _sse(payload: dict[str, Any], body: dict[str, Any], chat: bool) -> Asy
             prompt_tokens=payload["usage"]["prompt_tokens"],
             completion_tokens=payload["usage"]["completion_tokens"],
             include_usage=include_usage,
+            logprobs=choice.get("logprobs"),
         )
     else:
         chunks = [{**payload, "usage": payload["usage"] if include_usage else None}]

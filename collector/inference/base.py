@@ -25,6 +25,9 @@ class Generation:
     """``stop`` (EOS or a stop token), ``length`` (max_tokens) or ``abort``."""
     server: str = ""
     """URL of the server that answered (for debugging)."""
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    """Per sampled token, the most likely ``(token id, logprob)`` pairs at its position, most
+    likely first (``SamplingParams.top_logprobs`` of them); None when not asked for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    """Strings that end the sample (the server detokenizes to find them; the sampled ids
+    end with the token that completes one)."""
+    top_logprobs: int = 0
+    """Also return the k most likely tokens at each sampled position (0: none)."""
 
 
 class PolicyClient(Protocol):

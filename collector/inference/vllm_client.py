@@ -137,7 +137,7 @@ class VLLMPolicyClient:
                     raise
                 await asyncio.sleep(min(self.retry_wait_s * 2 ** (attempt - 1), RETRY_WAIT_MAX_S))
                 continue
-            return _to_generation(payload, url, version_at_send)
+            return _to_generation(payload, url, version_at_send, params.top_logprobs)
         raise AssertionError("unreachable")
 
     def _pick(self, avoid: Sequence[str] = ()) -> str:
@@ -270,21 +270,25 @@ def generate_body(prompt_ids: Sequence[int], params: SamplingParams) -> dict[str
             "top_p": params.top_p,
             "seed": params.seed,
             "stop_token_ids": list(params.stop_token_ids),
-            "logprobs": 0,  # the sampled token's own logprob only
-            "detokenize": False,
+            "logprobs": params.top_logprobs,  # 0: the sampled token's own logprob only
+            # stop strings are found in the text: vLLM refuses them without detokenizing
+            "detokenize": bool(params.stop),
+            **({"stop": list(params.stop)} if params.stop else {}),
         },
     }
 
 
-def _to_generation(payload: dict, url: str, version_at_send: int) -> Generation:
-    """Turn a ``/inference/v1/generate`` answer into a Generation (validating its shape)."""
+def _to_generation(payload: dict, url: str, version_at_send: int, top_k: int = 0) -> Generation:
+    """Turn a ``/inference/v1/generate`` answer into a Generation (validating its shape);
+    ``top_k``: the top logprobs asked for (``SamplingParams.top_logprobs``)."""
     try:
         choice = payload["choices"][0]
         token_ids = choice["token_ids"] or []
         content = (choice.get("logprobs") or {}).get("content") or []
         logprobs = [entry["logprob"] for entry in content]
         spans = choice.get("weight_versions") or []
-    except (KeyError, IndexError, TypeError) as e:
+        top = _top_logprobs(content, top_k) if top_k else None
+    except (KeyError, IndexError, TypeError, ValueError) as e:
         raise InferenceError(f"{url}: malformed generate response: {e!r}") from e
     if len(logprobs) != len(token_ids):
         raise InferenceError(
@@ -296,7 +300,21 @@ def _to_generation(payload: dict, url: str, version_at_send: int) -> Generation:
         policy_versions_T=versions_from_spans(spans, len(token_ids), version_at_send),
         finish_reason=choice.get("finish_reason") or "abort",
         server=url,
+        top_logprobs=top,
     )
+
+
+def _top_logprobs(content: list[dict], k: int) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """The ``k`` most likely ``(id, logprob)`` at each position: vLLM lists the sampled token
+    first, then the top candidates (the sampled one may be among them, or not)."""
+    out = []
+    for entry in content:
+        seen: dict[int, float] = {}
+        for cand in entry.get("top_logprobs") or []:
+            seen.setdefault(int(cand["token_id"]), float(cand["logprob"]))
+        ranked = sorted(seen.items(), key=lambda kv: -kv[1])[:k]
+        out.append(tuple(ranked))
+    return tuple(out)
 
 
 def versions_from_spans(spans: list[dict], n_tokens: int, default_version: int) -> np.ndarray:
