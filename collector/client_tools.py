@@ -157,6 +157,8 @@ def client_calls(
 
 
 def _plain_call(name: str, body: str, function: Mapping[str, Any] | None) -> ParsedToolCall:
+    if function is None:  # not a declared tool: :func:`client_calls` says so, whatever the body
+        return ParsedToolCall(name, {}, body)
     try:
         arguments = json.loads(body) if body.strip() else {}
     except (ValueError, RecursionError):

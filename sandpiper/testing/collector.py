@@ -83,11 +83,19 @@ class ScriptedPolicy:
         finish = "stop"
         if len(ids) > params.max_tokens:
             ids, finish = ids[: params.max_tokens], "length"
+        # asked for top logprobs: the sampled token first, then ids 0, 1, ... less likely
+        top = tuple(
+            tuple([(i, -0.5), *((j, -1.0 - j) for j in range(params.top_logprobs) if j != i)])[
+                : params.top_logprobs
+            ]
+            for i in ids
+        )
         return Generation(
             token_ids_T=np.asarray(ids, dtype=np.int32),
             logprobs_T=np.full(len(ids), -0.5, dtype=np.float32),
             policy_versions_T=np.full(len(ids), self.version, dtype=np.int32),
             finish_reason=finish,
+            top_logprobs=top if params.top_logprobs else None,
         )
 
 
