@@ -1,0 +1,332 @@
+"""What both sides of the race (bench/race_bench.py) are given, and the check that it is equal.
+
+One :class:`RaceSettings` holds every setting the two systems share (group size, samples per
+step, learning rate, KL, token limits, sampling, budget). :func:`sandpiper_config` turns it
+into the ``RunConfig`` that ``sandpiper collect`` + ``sandpiper learn`` read;
+:func:`trl_config` into the keyword arguments of TRL's ``GRPOConfig``. Nothing else sets
+those values, and :func:`fairness_rows` reads them back *from the two configs* (not from the
+settings) and refuses a race where any differs: task ids, start checkpoint hash, sampling,
+optimiser and limits.
+
+The task suites: ``sum`` (the demo's task: add up the numbers in ``numbers.txt``) and
+``peer`` (the same family written as LLM-in-Sandbox-RL rows, the peer's own schema, imported
+unchanged with ``sandpiper tasks import``). Held-out tasks come from another seed and other
+ids; no side ever trains on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+MODELS = {"tiny": REPO / "runs" / "tiny-model", "smollm2": REPO / "runs" / "smollm2-135m"}
+SUITES = ("sum", "peer")
+HELDOUT_SEED_OFFSET = 1_000_003
+"""Held-out tasks are drawn with ``seed + this``: other numbers, other ids."""
+
+
+@dataclass(frozen=True, slots=True)
+class RaceSettings:
+    """Every setting both sides share. Names carry units."""
+
+    model: str = "tiny"
+    suite: str = "sum"
+    minutes: float = 10.0
+    """Wall-clock training budget of each side."""
+    group_size: int = 8
+    groups_per_step: int = 4
+    """Samples per optimiser step = group_size * groups_per_step, on both sides."""
+    lr: float = 3e-4
+    kl_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    max_turns: int = 3
+    max_tokens_per_turn: int = 72
+    max_episode_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    train_tasks: int = 96
+    heldout_tasks: int = 24
+    eval_samples_per_task: int = 2
+    eval_marks: int = 5
+    """Evaluation points per side after the start (evenly spread over the budget)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, not {self.model!r}")
+        if self.suite not in SUITES:
+            raise ValueError(f"suite must be one of {', '.join(SUITES)}, not {self.suite!r}")
+        if self.minutes <= 0 or self.group_size < 2 or self.groups_per_step < 1:
+            raise ValueError("minutes > 0, group_size >= 2 and groups_per_step >= 1 are needed")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.group_size * self.groups_per_step
+
+    @property
+    def model_dir(self) -> Path:
+        return MODELS[self.model]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_hash(model_dir: str | Path) -> str:
+    """SHA-256 of the checkpoint's weight files (sorted by name): the start both sides load."""
+    digest = hashlib.sha256()
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for path in files:
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+# --- task suites -------------------------------------------------------------------------
+
+
+def _numbers(rng: random.Random) -> list[int]:
+    return [rng.randint(100_000, 999_999) for _ in range(7)]
+
+
+def write_sum_tasks(out_dir: Path, prefix: str, n_tasks: int, seed: int) -> list[str]:
+    """Demo task folders (:mod:`sandpiper.demo.tasks`: same instruction, files and reward)
+    with ids ``<prefix>-NNNN``; returns the ids."""
+    from sandpiper.demo.tasks import ANSWER_FILE, INSTRUCTION
+
+    rng = random.Random(seed)
+    ids = []
+    for i in range(n_tasks):
+        numbers = _numbers(rng)
+        task_id = f"{prefix}-{i:04d}"
+        folder = out_dir / task_id
+        (folder / "files").mkdir(parents=True, exist_ok=True)
+        (folder / "instruction.md").write_text(INSTRUCTION + "\n")
+        (folder / "files" / "numbers.txt").write_text("\n".join(map(str, numbers)) + "\n")
+        (folder / "task.toml").write_text(
+            f'reward = "exact"\nanswer = {json.dumps(str(sum(numbers)))}\n'
+            f'answer_file = "{ANSWER_FILE}"\nsplit = "train"\n'
+        )
+        ids.append(task_id)
+    return ids
+
+
+def peer_rows(prefix: str, n_tasks: int, seed: int) -> list[dict[str, Any]]:
+    """LLM-in-Sandbox-RL rows (the peer's schema: ``id``, ``problem_statement``,
+    ``ground_truth``, ``domain``, ``input_files`` as a JSON string) of the sum family."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n_tasks):
+        numbers = _numbers(rng)
+        rows.append(
+            {
+                "id": f"{prefix}-{i:04d}",
+                "problem_statement": "What is the sum of the numbers in numbers.txt? "
+                "Compute it in the sandbox.",
+                "ground_truth": str(sum(numbers)),
+                "domain": "math",
+                "input_files": json.dumps({"numbers.txt": "\n".join(map(str, numbers)) + "\n"}),
+            }
+        )
+    return rows
+
+
+def import_peer_rows(rows: list[dict[str, Any]], out_dir: Path) -> None:
+    """``sandpiper tasks import`` on the rows, as a user runs it (the real CLI)."""
+    source = out_dir.with_suffix(".jsonl")
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [sys.executable, "-m", "sandpiper.cli", "tasks", "import", str(source),
+           "--out", str(out_dir), "--validation-fraction", "0"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"sandpiper tasks import failed: {done.stderr[-2000:]}")
+
+
+def prepare_suite(settings: RaceSettings, root: Path) -> tuple[Path, Path]:
+    """Write (train tasks, held-out tasks) for the suite under ``root`` (idempotent)."""
+    train, heldout = root / "train", root / "heldout"
+    if (train.is_dir() and any(train.iterdir())) and (heldout.is_dir() and any(heldout.iterdir())):
+        return train, heldout
+    seed_h = settings.seed + HELDOUT_SEED_OFFSET
+    if settings.suite == "sum":
+        write_sum_tasks(train, "sum-train", settings.train_tasks, settings.seed)
+        write_sum_tasks(heldout, "sum-heldout", settings.heldout_tasks, seed_h)
+    else:
+        root.mkdir(parents=True, exist_ok=True)
+        import_peer_rows(peer_rows("peer-train", settings.train_tasks, settings.seed), train)
+        import_peer_rows(peer_rows("peer-heldout", settings.heldout_tasks, seed_h), heldout)
+    return train, heldout
+
+
+def task_ids(source: Path) -> list[str]:
+    """The ids of the tasks at ``source``, as the collector loads them."""
+    from sandpiper.collector.tasks import load_tasks
+
+    return sorted(t.task_id for t in load_tasks(source))
+
+
+# --- the two configs ---------------------------------------------------------------------
+
+
+def sandpiper_config(
+    settings: RaceSettings, *, start: Path, tasks: Path, runs_dir: Path, name: str
+) -> Any:
+    """The RunConfig of ``sandpiper collect`` + ``sandpiper learn`` (demo config + settings)."""
+    from sandpiper.config import load_config
+
+    base = REPO / "configs" / ("demo.toml" if settings.model == "tiny" else "demo-smollm2.toml")
+    cfg = load_config(base, ["--runs_dir", str(runs_dir), "--name", name,
+                             "--store.url", f"duckdb:///{runs_dir}/{name}/store.duckdb",
+                             "--tracking.enabled", "false"])  # fmt: skip
+    c, le = cfg.collector, cfg.learner
+    c.tasks, c.validation_fraction = str(tasks), 0.0
+    c.tool_parser = "hermes"  # TRL's environment_factory needs tool calls in the template
+    c.group_size, c.max_turns = settings.group_size, settings.max_turns
+    c.max_tokens_per_turn, c.max_episode_tokens = (
+        settings.max_tokens_per_turn,
+        settings.max_episode_tokens,
+    )
+    c.temperature, c.top_p = settings.temperature, settings.top_p
+    le.model, le.lr, le.kl_coef = str(start), settings.lr, settings.kl_coef
+    le.groups_per_step, le.max_grad_norm = settings.groups_per_step, settings.max_grad_norm
+    le.weight_decay, le.eps_low, le.eps_high = (
+        settings.weight_decay,
+        settings.clip_eps_low,
+        settings.clip_eps_high,
+    )
+    le.advantage, le.loss_agg, le.epochs, le.minibatches = "std", "sequence_mean", 1, 1
+    le.max_steps = 0  # the wall-clock budget ends the run
+    # every version stays on disk: the eval harness picks one per wall-clock mark
+    le.checkpoint_retention = False
+    return cfg
+
+
+def trl_config(settings: RaceSettings, *, output_dir: Path) -> dict[str, Any]:
+    """Keyword arguments of TRL's ``GRPOConfig`` for the same run.
+
+    One generation batch = one optimiser step of ``samples_per_step`` rollouts (as one
+    Sandpiper learner step); ``scale_rewards="group"`` and ``loss_type="grpo"`` are
+    Sandpiper's ``advantage="std"`` and ``loss_agg="sequence_mean"``; a constant learning
+    rate as Sandpiper's learner. ``max_completion_length`` bounds the whole multi-turn
+    completion (tool results included), as ``max_episode_tokens`` does."""
+    return {
+        "output_dir": str(output_dir),
+        "use_cpu": True,
+        "num_generations": settings.group_size,
+        "per_device_train_batch_size": settings.samples_per_step,
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": 1,
+        "num_iterations": 1,
+        "learning_rate": settings.lr,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": settings.weight_decay,
+        "max_grad_norm": settings.max_grad_norm,
+        "beta": settings.kl_coef,
+        "epsilon": settings.clip_eps_low,
+        "epsilon_high": settings.clip_eps_high,
+        "scale_rewards": "group",
+        "loss_type": "grpo",
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "max_completion_length": settings.max_episode_tokens,
+        "max_tool_calling_iterations": settings.max_turns - 1,
+        "max_steps": 100_000,  # the wall-clock budget ends the run (a callback stops it)
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "report_to": [],
+        "seed": settings.seed,
+        "dataloader_num_workers": 0,
+    }
+
+
+# --- fairness ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessRow:
+    setting: str
+    sandpiper: Any
+    trl: Any
+
+    @property
+    def equal(self) -> bool:
+        return self.sandpiper == self.trl
+
+
+def fairness_rows(
+    sp: Any,
+    trl: dict[str, Any],
+    *,
+    sp_task_ids: list[str],
+    trl_task_ids: list[str],
+    sp_model_hash: str,
+    trl_model_hash: str,
+) -> list[FairnessRow]:
+    """Each shared setting as each side's config holds it."""
+    c, le = sp.collector, sp.learner
+    rows = [
+        ("train task ids", sp_task_ids, trl_task_ids),
+        ("start checkpoint sha256", sp_model_hash, trl_model_hash),
+        ("group size", c.group_size, trl["num_generations"]),
+        ("samples per step", c.group_size * le.groups_per_step,
+         trl["per_device_train_batch_size"] * trl["gradient_accumulation_steps"]),
+        ("learning rate", le.lr, trl["learning_rate"]),
+        ("lr schedule", "constant", trl["lr_scheduler_type"]),
+        ("KL coefficient", le.kl_coef, trl["beta"]),
+        ("clip eps low / high", (le.eps_low, le.eps_high), (trl["epsilon"], trl["epsilon_high"])),
+        ("max grad norm", le.max_grad_norm, trl["max_grad_norm"]),
+        ("weight decay", le.weight_decay, trl["weight_decay"]),
+        ("advantage", "group std", {"group": "group std"}.get(trl["scale_rewards"])),
+        ("loss aggregation", le.loss_agg, {"grpo": "sequence_mean"}.get(trl["loss_type"])),
+        ("updates per batch", le.epochs * le.minibatches, trl["num_iterations"]),
+        ("temperature", c.temperature, trl["temperature"]),
+        ("top_p", c.top_p, trl["top_p"]),
+        ("max completion tokens", c.max_episode_tokens, trl["max_completion_length"]),
+        ("max tool rounds", c.max_turns - 1, trl["max_tool_calling_iterations"]),
+        ("seed", sp.seed, trl["seed"]),
+    ]  # fmt: skip
+    return [FairnessRow(*row) for row in rows]
+
+
+class UnfairRace(ValueError):
+    """The two sides would not get the same work."""
+
+
+def check_fair(rows: list[FairnessRow]) -> None:
+    """Raise :class:`UnfairRace` naming every setting that differs."""
+    bad = [r for r in rows if not r.equal]
+    if bad:
+        raise UnfairRace(
+            "; ".join(f"{r.setting}: sandpiper {r.sandpiper!r} != trl {r.trl!r}" for r in bad)
+        )
+
+
+def side_by_side(rows: list[FairnessRow]) -> str:
+    """The configs as a plain table (task ids shortened to count + first/last)."""
+
+    def show(value: Any) -> str:
+        if isinstance(value, list) and len(value) > 3:
+            return f"{len(value)} ids {value[0]}..{value[-1]}"
+        return str(value)
+
+    width = max(len(r.setting) for r in rows)
+    lines = [f"{'setting':<{width}}  {'sandpiper':<32}  trl"]
+    for r in rows:
+        mark = "" if r.equal else "   <-- DIFFERS"
+        lines.append(f"{r.setting:<{width}}  {show(r.sandpiper):<32}  {show(r.trl)}{mark}")
+    return "\n".join(lines)

@@ -1,0 +1,298 @@
+"""The TRL side of the race: GRPOTrainer with an ``environment_factory`` on Sandpiper's sandboxes.
+
+    python bench/race_trl.py SPEC.json      (started by bench/race_bench.py)
+
+:class:`SandboxEnv` is the environment TRL documents for multi-turn tool use: its public
+methods are the tools (``execute_bash``, ``submit``), ``reset`` starts an episode of the
+row's task, ``get_reward`` scores it. Every tool call goes through the **same** sandbox
+runtime as Sandpiper's collector (``collector/sandbox``: the podman pool with the same image
+and limits, the task's files copied in the same way, the same ``Toolbox``), and the reward
+is Sandpiper's own (``finish_episode``: the answer file, the task's reward function), so
+tool latency and grading are equal and the race measures the learning systems.
+
+TRL runs the tool calls of a batch one rollout after another and keeps each rollout's
+environment until the batch is scored, so its pool holds one sandbox per rollout of a step
+(``samples_per_step``); Sandpiper's collector runs with the pool of its config.
+
+The process writes ``trl_log.json`` (one entry per step: wall time since the race started
+this side, reward, generation and training seconds, tokens) and a checkpoint before each
+wall-clock evaluation mark (``checkpoints/step-N``, the time it was taken in the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ENDED = "Error: the episode has ended (submit was called)."
+
+
+class SandboxRuntime:
+    """An event loop on a thread owning Sandpiper's sandbox pool; sync calls into it."""
+
+    def __init__(self, config: Any, pool_size: int) -> None:
+        from sandpiper.collector.agent import default_toolbox_factory
+        from sandpiper.collector.sandbox.images import ImagePools
+
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        sandbox = config.sandbox.model_copy(update={"pool_size": pool_size})
+        self.pool = ImagePools(sandbox, labels={"sandpiper.run": config.name})
+        self.run(self.pool.start())
+        cc = config.collector
+        self.make_toolbox = default_toolbox_factory(
+            exec_timeout_s=config.sandbox.exec_timeout_s,
+            test_timeout_s=cc.test_timeout_s,
+            max_argument_bytes=cc.max_argument_bytes,
+        )
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.run(self.pool.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+RUNTIME: SandboxRuntime | None = None
+TASKS: dict[str, Any] = {}
+
+
+class SandboxEnv:
+    """One rollout's episode in a Sandpiper sandbox (TRL's ``environment_factory`` class)."""
+
+    def __init__(self) -> None:
+        self._task: Any = None
+        self._sandbox: Any = None
+        self._toolbox: Any = None
+        self._reward: float | None = None
+        self._done = False
+        self._started = (None, 0.0)
+
+    def reset(self, **row: Any) -> None:
+        self._close()
+        self._task, self._reward, self._done = TASKS[row["task_id"]], None, False
+        from sandpiper.store.records import utcnow
+
+        self._started = (utcnow(), time.perf_counter())
+
+    def execute_bash(self, command: str) -> str:
+        """Run a bash command in the sandbox and return its output (stdout, then stderr).
+
+        Args:
+            command: The bash command to run.
+        """
+        return self._call("execute_bash", {"command": command})
+
+    def submit(self) -> str:
+        """Finish the task."""
+        return self._call("submit", {})
+
+    def get_reward(self) -> float | None:
+        """Sandpiper's reward of the episode; None (left out, as Sandpiper's invalid
+        episodes) when the sandbox failed."""
+        if not self._done:
+            self._finish(answer=None, test_reward=None, submitted=False)
+        return self._reward
+
+    # --- internals ---
+
+    def _call(self, name: str, arguments: dict[str, Any]) -> str:
+        if self._done:
+            return ENDED
+        assert RUNTIME is not None
+        result = RUNTIME.run(self._acall(name, arguments))
+        if result.submitted:
+            self._finish(answer=result.answer, test_reward=result.test_reward, submitted=True)
+        return str(result.output)
+
+    async def _acall(self, name: str, arguments: dict[str, Any]) -> Any:
+        from sandpiper.collector.agent import prepare_sandbox
+
+        assert RUNTIME is not None
+        if self._sandbox is None:
+            task = self._task
+            self._sandbox = await RUNTIME.pool.acquire(
+                episode_id=uuid.uuid4().hex, task_id=task.task_id, image=task.image
+            )
+            await prepare_sandbox(self._sandbox, task)
+            self._toolbox = RUNTIME.make_toolbox(self._sandbox, task)
+        return await self._toolbox.call(name, arguments)
+
+    def _finish(self, *, answer: str | None, test_reward: float | None, submitted: bool) -> None:
+        assert RUNTIME is not None
+        self._done = True
+        self._reward = RUNTIME.run(self._score(answer, test_reward, submitted))
+        self._close()
+
+    async def _score(self, answer: str | None, test_reward: float | None, submitted: bool) -> Any:
+        from sandpiper.collector.agent import finish_episode
+        from sandpiper.collector.scoring import score_answer
+        from sandpiper.store.records import StopReason
+
+        if self._sandbox is None:  # no tool call: nothing in the sandbox to read
+            outcome = await score_answer(self._task.reference, answer=None, test_reward=None,
+                                         test_details={}, model_text="")  # fmt: skip
+            return outcome.reward
+        record = await finish_episode(
+            turns=(), stop=StopReason.SUBMITTED if submitted else StopReason.MAX_TURNS,
+            error=None, task=self._task, sandbox=self._sandbox, episode_id=uuid.uuid4().hex,
+            sample_index=0, started_at=self._started[0], t0=self._started[1],
+            answer=answer, test_reward=test_reward,
+        )  # fmt: skip
+        return record.reward if record.valid else None
+
+    def _close(self) -> None:
+        if self._sandbox is not None and RUNTIME is not None:
+            box, self._sandbox, self._toolbox = self._sandbox, None, None
+            RUNTIME.run(RUNTIME.pool.release(box))
+
+
+def dataset_rows(config: Any, tasks: list[Any], seed: int) -> list[dict[str, Any]]:
+    """One row per training task: the prompt Sandpiper's collector builds for it."""
+    import random
+
+    from sandpiper.collector.parsers import system_prompt_for
+
+    cc = config.collector
+    rows = [
+        {
+            "prompt": [
+                {
+                    "role": "system",
+                    "content": t.system_prompt
+                    or system_prompt_for(cc.tool_parser, cc.system_prompt),
+                },
+                {"role": "user", "content": t.instruction},
+            ],
+            "task_id": t.task_id,
+        }  # fmt: skip
+        for t in tasks
+    ]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def prepare_tokenizer(model_dir: str) -> Any:
+    """The start checkpoint's tokenizer, with TRL's Hermes response parser when TRL does not
+    recognise the template (the tiny model's is the Qwen2.5 layout; TRL's error asks for
+    exactly this: set the response template on the tokenizer)."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema, qwen3_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    try:
+        add_response_schema(tokenizer)
+    except ValueError:
+        tokenizer.response_template = qwen3_template
+    return tokenizer
+
+
+def make_callback(spec: dict[str, Any], out: Path, log: list[dict[str, Any]], timer: dict) -> Any:
+    """Saves a checkpoint before each wall-clock mark and stops at the budget."""
+    from transformers import TrainerCallback
+
+    t0, budget = spec["t0_epoch"], spec["budget_s"]
+    marks = list(spec["marks_s"])
+
+    class WallClock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            timer["step_started"] = time.time()
+            timer["gen_s"] = 0.0
+
+        def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
+            now = time.time()
+            step_s = now - timer["step_started"]
+            entry = {"step": state.global_step, "t_s": now - t0, "step_s": step_s,
+                     "generate_s": timer["gen_s"], "train_s": step_s - timer["gen_s"],
+                     "tokens": timer.get("tokens", 0), "samples": timer.get("samples", 0),
+                     "reward": timer.get("reward")}  # fmt: skip
+            while marks and marks[0] <= now - t0:
+                marks.pop(0)  # passed without a checkpoint in time: it gets the last one
+            if (marks and now - t0 + step_s >= marks[0]) or now - t0 + step_s >= budget:
+                path = out / "checkpoints" / f"step-{state.global_step:05d}"
+                model.save_pretrained(path, safe_serialization=True)
+                timer["tokenizer"].save_pretrained(path)
+                entry["checkpoint"], entry["checkpoint_t_s"] = str(path), now - t0
+            log.append(entry)
+            (out / "trl_log.json").write_text(json.dumps(log, indent=1))
+            if time.time() - t0 >= budget:
+                control.should_training_stop = True
+
+    return WallClock()
+
+
+def instrument(trainer: Any, timer: dict) -> None:
+    """Time generation (rollouts with their tool calls and rewards) inside each step and
+    count the trained tokens; measurement only, the trainer's behaviour is unchanged."""
+    inner = trainer._generate_and_score_completions
+
+    def timed(inputs: Any) -> Any:
+        started = time.time()
+        batch = inner(inputs)
+        timer["gen_s"] += time.time() - started
+        mask = batch["completion_mask"].sum() + batch["prompt_mask"].sum()
+        timer["tokens"], timer["samples"] = int(mask), len(inputs)
+        return batch
+
+    trainer._generate_and_score_completions = timed
+
+
+def main(spec_path: str) -> None:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out_dir"])
+    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from sandpiper.collector.tasks import load_tasks
+    from sandpiper.config import RunConfig
+
+    global RUNTIME
+    config = RunConfig.model_validate(spec["sandpiper_config"])
+    tasks = load_tasks(spec["train_tasks"])
+    TASKS.update({t.task_id: t for t in tasks})
+    RUNTIME = SandboxRuntime(config, pool_size=spec["pool_size"])
+    log: list[dict[str, Any]] = []
+    timer: dict[str, Any] = {"tokenizer": prepare_tokenizer(spec["start"]), "gen_s": 0.0}
+    try:
+        trainer = GRPOTrainer(
+            model=spec["start"],
+            args=GRPOConfig(**spec["trl_config"]),
+            train_dataset=Dataset.from_list(dataset_rows(config, tasks, spec["seed"])),
+            processing_class=timer["tokenizer"],
+            environment_factory=SandboxEnv,
+            callbacks=[make_callback(spec, out, log, timer)],
+        )
+        instrument(trainer, timer)
+        original_log = trainer.log
+
+        def log_reward(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+            if "reward" in logs:
+                timer["reward"] = logs["reward"]
+                if log:
+                    log[-1]["reward"] = logs["reward"]
+            original_log(logs, *args, **kwargs)
+
+        trainer.log = log_reward
+        trainer.train()
+    finally:
+        RUNTIME.close()
+    (out / "trl_log.json").write_text(json.dumps(log, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

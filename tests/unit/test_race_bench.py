@@ -1,0 +1,211 @@
+"""The race against TRL (bench/race_bench.py): both sides get the same work, checked.
+
+The settings reach the two systems through two different configs (Sandpiper's RunConfig and
+TRL's GRPOConfig); the fairness check reads them back from those configs, so a setting
+plumbed wrong on either side fails here. Also: the TRL environment offers the tools and the
+prompt Sandpiper's collector does, held-out tasks are never training tasks, and the figures'
+arithmetic (time_to_match_ratio, the checkpoint of each wall-clock mark)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+setup = _load("race_setup")
+race = _load("race_bench")
+race_eval = _load("race_eval")
+race_trl = _load("race_trl")
+
+
+@pytest.fixture
+def suite(tmp_path: Path):
+    settings = setup.RaceSettings(train_tasks=6, heldout_tasks=3)
+    train, heldout = setup.prepare_suite(settings, tmp_path / "tasks")
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "model.safetensors").write_bytes(b"weights")
+    sp = setup.sandpiper_config(settings, start=start, tasks=train, runs_dir=tmp_path, name="r")
+    trl = setup.trl_config(settings, output_dir=tmp_path / "trl")
+    return settings, train, heldout, start, sp, trl
+
+
+def _rows(sp, trl, train: Path, start: Path, **change):
+    kwargs = {
+        "sp_task_ids": setup.task_ids(Path(sp.collector.tasks)),
+        "trl_task_ids": setup.task_ids(train),
+        "sp_model_hash": setup.model_hash(sp.learner.model),
+        "trl_model_hash": setup.model_hash(start),
+    }
+    return setup.fairness_rows(sp, trl, **{**kwargs, **change})
+
+
+def test_both_configs_carry_the_same_settings(suite) -> None:
+    settings, train, _, start, sp, trl = suite
+    rows = _rows(sp, trl, train, start)
+    setup.check_fair(rows)  # raises when anything differs
+    by_name = {r.setting: r for r in rows}
+    assert by_name["samples per step"].trl == settings.samples_per_step == 32
+    assert by_name["learning rate"].sandpiper == settings.lr
+    assert len(by_name["train task ids"].trl) == 6
+    table = setup.side_by_side(rows)
+    assert "DIFFERS" not in table and "learning rate" in table
+
+
+def test_trl_config_is_accepted_by_grpo_config(suite) -> None:
+    """The keyword arguments are real GRPOConfig fields and keep their values there."""
+    pytest.importorskip("trl")
+    from trl import GRPOConfig
+
+    _, _, _, _, _, trl = suite
+    cfg = GRPOConfig(**trl)
+    assert (cfg.num_generations, cfg.learning_rate, cfg.beta) == (
+        trl["num_generations"], trl["learning_rate"], trl["beta"],
+    )  # fmt: skip
+    assert cfg.generation_batch_size == trl["per_device_train_batch_size"]
+    assert cfg.max_tool_calling_iterations == trl["max_tool_calling_iterations"]
+
+
+@pytest.mark.parametrize(
+    ("side", "key", "value", "named"),
+    [
+        ("trl", "learning_rate", 1e-3, "learning rate"),
+        ("trl", "num_generations", 4, "group size"),
+        ("trl", "beta", 0.04, "KL coefficient"),
+        ("trl", "temperature", 0.7, "temperature"),
+        ("trl", "max_completion_length", 256, "max completion tokens"),
+        ("trl", "loss_type", "dapo", "loss aggregation"),
+        ("trl", "lr_scheduler_type", "linear", "lr schedule"),
+        ("sandpiper", "learner.groups_per_step", 2, "samples per step"),
+        ("sandpiper", "collector.top_p", 0.9, "top_p"),
+    ],
+)
+def test_a_differing_setting_is_refused_by_name(suite, side, key, value, named) -> None:
+    _, train, _, start, sp, trl = suite
+    if side == "trl":
+        trl = {**trl, key: value}
+    else:
+        part, field = key.split(".")
+        setattr(getattr(sp, part), field, value)
+    with pytest.raises(setup.UnfairRace, match=named):
+        setup.check_fair(_rows(sp, trl, train, start))
+
+
+def test_other_tasks_or_another_start_are_refused(suite, tmp_path: Path) -> None:
+    _, train, _, start, sp, trl = suite
+    ids = setup.task_ids(train)
+    with pytest.raises(setup.UnfairRace, match="train task ids"):
+        setup.check_fair(_rows(sp, trl, train, start, trl_task_ids=ids[:-1]))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"weightz")
+    with pytest.raises(setup.UnfairRace, match="start checkpoint"):
+        setup.check_fair(_rows(sp, trl, train, start, trl_model_hash=setup.model_hash(other)))
+
+
+def test_heldout_tasks_are_never_training_tasks(suite) -> None:
+    _, train, heldout, _, _, _ = suite
+    train_ids, heldout_ids = set(setup.task_ids(train)), set(setup.task_ids(heldout))
+    assert train_ids and heldout_ids and not train_ids & heldout_ids
+    numbers = {p.parent.parent.name: p.read_text() for p in train.glob("*/files/numbers.txt")}
+    for path in heldout.glob("*/files/numbers.txt"):
+        assert path.read_text() not in numbers.values()
+
+
+def test_peer_rows_are_the_peers_schema() -> None:
+    rows = setup.peer_rows("p", 2, seed=0)
+    assert set(rows[0]) == {"id", "problem_statement", "ground_truth", "domain", "input_files"}
+    files = json.loads(rows[0]["input_files"])
+    assert sum(map(int, files["numbers.txt"].split())) == int(rows[0]["ground_truth"])
+
+
+def test_trl_environment_offers_sandpipers_tools_and_prompt(suite) -> None:
+    """Same tool names and descriptions in the prompt; the dataset's messages are the ones
+    the collector starts each episode with."""
+    from transformers.utils import get_json_schema
+
+    from sandpiper.collector.tasks import load_tasks
+    from sandpiper.collector.tools import offered_schemas
+
+    _, train, _, _, sp, _ = suite
+    cc = sp.collector
+    ours = {
+        s["function"]["name"]: s["function"]
+        for s in offered_schemas(cc.tools, cc.tool_descriptions)
+    }
+    env = race_trl.SandboxEnv
+    for method in (env.execute_bash, env.submit):
+        schema = get_json_schema(method)
+        assert schema["function"]["description"] == ours[method.__name__]["description"]
+        assert set(schema["function"]["parameters"]["properties"]) == set(
+            ours[method.__name__]["parameters"]["properties"]
+        )
+    tasks = load_tasks(train)
+    rows = race_trl.dataset_rows(sp, tasks, seed=0)
+    assert sorted(r["task_id"] for r in rows) == setup.task_ids(train)
+    row = rows[0]
+    task = next(t for t in tasks if t.task_id == row["task_id"])
+    assert row["prompt"] == [
+        {"role": "system", "content": cc.system_prompt},
+        {"role": "user", "content": task.instruction},
+    ]
+
+
+def _curve(*points: tuple[float, float]) -> list[dict]:
+    return [{"t_s": t, "reward": r} for t, r in points]
+
+
+def test_time_to_match_ratio() -> None:
+    trl = _curve((0, 0.2), (60, 0.4), (120, 0.5), (180, 0.5))
+    fast = race.time_to_match({"trl": trl, "sandpiper": _curve((0, 0.2), (30, 0.6))}, 180)
+    assert fast["time_to_match_ratio"] == pytest.approx(120 / 30)
+    assert fast["ratio_is_upper_bound"] is False
+    never = race.time_to_match({"trl": trl, "sandpiper": _curve((0, 0.2), (180, 0.45))}, 180)
+    assert never["ratio_is_upper_bound"] is True
+    assert never["time_to_match_ratio"] == pytest.approx(120 / 180) and "never" in never["note"]
+    flat = race.time_to_match({"trl": _curve((0, 0.3), (60, 0.1)), "sandpiper": trl}, 180)
+    assert flat["time_to_match_ratio"] is None and "start" in flat["note"]
+
+
+def test_each_mark_takes_the_newest_checkpoint_written_by_then() -> None:
+    c = race_eval.Checkpoint
+    start = c("start", "s", 0.0, "start")
+    ckpts = [c("trl", "a", 50.0, "a"), c("trl", "b", 110.0, "b"), c("trl", "c", 200.0, "c")]
+    chosen = race_eval.at_marks(ckpts, [40.0, 60.0, 120.0, 180.0], start)
+    assert [x.path for x in chosen] == ["s", "a", "b", "b"]
+
+
+def test_learner_log_tokens(tmp_path: Path) -> None:
+    log = tmp_path / "learner.log"
+    log.write_text(
+        "policy v1: 1000 tokens in 3.0 s (500 tokens/s)\nnoise\n"
+        "policy v2: 3000 tokens in 4.0 s (1000 tokens/s) kl 0.1\n"
+    )
+    tokens, seconds = race.learner_log_tokens(log)
+    assert (tokens, seconds) == (4000.0, pytest.approx(5.0))
+    assert race.learner_log_tokens(tmp_path / "missing.log") == (0.0, 0.0)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="model"):
+        setup.RaceSettings(model="gpt")
+    with pytest.raises(ValueError, match="suite"):
+        setup.RaceSettings(suite="swe")
+    with pytest.raises(ValueError, match="group_size"):
+        setup.RaceSettings(group_size=1)
