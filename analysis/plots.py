@@ -3,11 +3,18 @@ and returns a matplotlib Figure (Agg backend; nothing is shown on screen).
 
 An empty input gives a figure that says "no data" rather than an error, so a report of a
 run that has not trained yet still renders every section.
+
+Read at a glance at any run length: integer axes get only as many ticks as fit
+(``_integer_ticks``); uncertainty is a 95 % interval that stays inside the metric's range
+(Wilson for pass rates, a t-interval clipped to [0, 1] for mean rewards), never ± std; series
+that may coincide differ in colour, line style and marker.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from sandpiper.analysis.terminal import neutralize
 
@@ -35,20 +42,89 @@ def _no_data(ax: Axes, title: str) -> None:
     ax.set_axis_off()
 
 
+CONFIDENCE = 0.95
+"""Level of every confidence interval drawn in the report."""
+MARKERS_UP_TO = 40
+"""Points per series up to which markers are drawn; past it they would merge into a band."""
+
+
+def wilson_interval(passed: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Wilson score interval of a pass rate (``passed`` of ``n``), always inside [0, 1].
+
+    Unlike mean ± std it does not collapse to a point at 0/n or n/n, so a version where
+    every episode failed still shows how little a few episodes say. NaN where ``n`` is 0.
+    """
+    from scipy.stats import norm
+
+    z = float(norm.ppf(0.5 + CONFIDENCE / 2))
+    n = np.asarray(n, dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.asarray(passed, dtype=float) / n
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return np.clip(centre - half, 0.0, 1.0), np.clip(centre + half, 0.0, 1.0)
+
+
+def mean_interval(
+    mean: np.ndarray, std: np.ndarray, n: np.ndarray, lo: float = 0.0, hi: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Student-t interval of a mean, clipped to the metric's range [``lo``, ``hi``].
+
+    NaN where fewer than two samples leave the spread unknown (no band is drawn there).
+    """
+    from scipy.stats import t
+
+    n = np.asarray(n, dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = t.ppf(0.5 + CONFIDENCE / 2, np.where(n >= 2, n - 1, np.nan))
+        half = q * np.asarray(std, dtype=float) / np.sqrt(n)
+    return np.clip(mean - half, lo, hi), np.clip(mean + half, lo, hi)
+
+
+def _integer_ticks(axis: Any) -> None:
+    """At most as many integer ticks as the axis has room for, whatever the data's count
+    (one tick per version ran the labels into each other from a few dozen versions on)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(nbins="auto", integer=True, min_n_ticks=1))
+
+
 def reward_by_version(df: pl.DataFrame) -> Figure:
+    """Mean reward and pass rate per version, each with its 95 % interval as a band.
+
+    The two series are often equal (a 0/1 reward *is* the pass indicator), so they differ
+    in colour, line style and marker, and pass rate is drawn a fifth of a version to the
+    right: neither hides the other.
+    """
     fig, ax = _figure()
     title = "Reward and pass rate by policy version"
     if df.is_empty():
         _no_data(ax, title)
         return fig
-    versions = df["policy_version"].to_list()
+    df = df.sort("policy_version")
+    versions = df["policy_version"].to_numpy().astype(float)
+    n = df["n_valid"].fill_null(0).to_numpy()
     mean = df["reward_mean"].fill_null(float("nan")).to_numpy()
-    std = df["reward_std"].fill_null(0.0).to_numpy()
-    ax.errorbar(versions, mean, yerr=std, marker="o", capsize=3, label="reward (mean ± std)")
-    ax.plot(versions, df["pass_rate"].to_list(), marker="s", label="pass rate")
-    ax.set(title=title, xlabel="policy version that started the episode", ylabel="reward")
-    ax.set_xticks(versions)
-    ax.legend(loc="best")
+    std = df["reward_std"].fill_null(float("nan")).to_numpy()
+    rate = df["pass_rate"].fill_null(float("nan")).to_numpy()
+    markers = len(versions) <= MARKERS_UP_TO
+    shift = 0.2 if markers else 0.0  # lines of different styles need no dodge; markers do
+    pct = f"{CONFIDENCE:.0%}"
+    series: list[tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray], dict[str, Any]]] = [
+        (versions, mean, mean_interval(mean, std, n),
+         {"color": "tab:blue", "ls": "-", "marker": "o" if markers else "",
+          "label": f"mean reward ({pct} t-interval)"}),
+        (versions + shift, rate, wilson_interval(np.rint(rate * n), n),
+         {"color": "tab:orange", "ls": "--", "marker": "s" if markers else "", "mfc": "white",
+          "label": f"pass rate ({pct} Wilson interval)"}),
+    ]  # fmt: skip
+    for x, y, (lo, hi), style in series:
+        ax.fill_between(x, lo, hi, color=style["color"], alpha=0.18, lw=0)
+        ax.plot(x, y, ms=4, lw=1.6, **style)
+    ax.set(title=title, xlabel="policy version that started the episode", ylabel="reward / rate")
+    ax.set_ylim(-0.02, 1.02)
+    _integer_ticks(ax.xaxis)
+    ax.legend(loc="best", fontsize=8)
     return fig
 
 
@@ -81,8 +157,13 @@ def pass_rate_by_task(df: pl.DataFrame, max_tasks: int = 30) -> Figure:
     if df.is_empty():
         _no_data(ax, title)
         return fig
-    ax.barh([neutralize(t) for t in df["task_id"]], df["pass_rate"].to_list(), color="tab:green")
-    ax.set(title=f"{title} (lowest {df.height})", xlabel="pass rate", xlim=(0, 1))
+    rate = df["pass_rate"].to_numpy()
+    n = df["n_valid"].to_numpy()
+    lo, hi = wilson_interval(np.rint(rate * n), n)
+    ax.barh([neutralize(t) for t in df["task_id"]], rate, color="tab:green",
+            xerr=np.clip(np.vstack([rate - lo, hi - rate]), 0.0, None), error_kw={"lw": 1, "capsize": 2})  # fmt: skip
+    ax.set(title=f"{title} (lowest {df.height}; {CONFIDENCE:.0%} Wilson intervals)",
+           xlabel="pass rate", xlim=(0, 1))  # fmt: skip
     return fig
 
 
@@ -100,7 +181,7 @@ def staleness(df: pl.DataFrame) -> Figure:
         xlabel="versions behind the learner",
         ylabel="groups",
     )
-    ax.set_xticks(consumed["staleness"].to_list())
+    _integer_ticks(ax.xaxis)
     return fig
 
 
@@ -124,17 +205,18 @@ def importance_weights(df: pl.DataFrame) -> Figure:
         alpha=0.25,
         label="min … max",
     )
-    top.plot(steps, df["is_weight_mean"].to_list(), marker="o", label="mean")
+    few = len(steps) <= MARKERS_UP_TO
+    top.plot(steps, df["is_weight_mean"].to_list(), marker="o" if few else "", label="mean")
     top.axhline(1.0, color="grey", lw=0.8, ls="--")
     top.set(title="Importance weights per learner step", ylabel="w = π_prox / π_behav")
     top.legend(loc="best")
     for name in ("ess", "clipped_frac", "masked_frac"):
-        bottom.plot(steps, df[name].to_list(), marker=".", label=name)
+        bottom.plot(steps, df[name].to_list(), marker="." if few else "", label=name)
     kl = bottom.twinx()
     kl.plot(steps, df["kl_sampler_learner"].to_list(), color="black", ls=":", label="KL (right)")
     kl.set_ylabel("KL sampler→learner")
     bottom.set(xlabel="learner step", ylabel="fraction")
-    bottom.set_xticks(steps)
+    _integer_ticks(bottom.xaxis)
     lines = bottom.get_lines() + kl.get_lines()
     bottom.legend(lines, [line.get_label() for line in lines], loc="center left", fontsize=8)
     return fig

@@ -13,6 +13,7 @@ characters appear as visible escapes in the page.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 
 TEMPLATE = "report.html.j2"
 TOP_FAILING = 10
+FOLD_ROWS = 12
+"""Tables longer than this are folded (``<details>``) so the plots stay within a scroll."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,8 @@ class _Section:
     table: str | None = None
     """HTML table."""
     note: str | None = None
+    table_rows: int = 0
+    """Rows of ``table``; past :data:`FOLD_ROWS` the page shows it folded."""
 
 
 def load_frames(store: Store | str, run_id: str | None) -> dict[str, pl.DataFrame]:
@@ -96,6 +101,11 @@ def _png(fig: Any) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
+
+
+def _table(key: str, title: str, df: pl.DataFrame, columns: list[str], **kw: Any) -> _Section:
+    """A section holding ``df``'s ``columns`` as an HTML table."""
+    return _Section(key, title, table=_html_table(df, columns), table_rows=df.height, **kw)
 
 
 def _html_table(df: pl.DataFrame, columns: list[str]) -> str:
@@ -177,23 +187,24 @@ def _sections(f: dict[str, pl.DataFrame]) -> list[tuple[_Section, Any]]:
     ]
     task_cols = ["task_id", "n_episodes", "n_valid", "n_invalid", "pass_rate", "reward_mean"]
     return [
-        (_Section("reward_by_version", "Reward by policy version",
-                  table=_html_table(f["reward_by_version"], [
-                      "policy_version", "n_episodes", "n_invalid", "reward_mean", "pass_rate"])),
+        (_table("reward_by_version", "Reward by policy version", f["reward_by_version"], [
+                  "policy_version", "n_episodes", "n_invalid", "reward_mean", "pass_rate"],
+                note="Bands: 95 % intervals (t-interval of the mean reward, Wilson interval of "
+                "the pass rate), clipped to [0, 1]."),
          plots.reward_by_version(f["reward_by_version"])),
         (_Section("reward_over_time", "Reward over time"), plots.reward_over_time(f["reward_by_time"], f["episode_summary"])),
         (_Section("pass_rate_by_task", "Pass rate per task"),
          plots.pass_rate_by_task(tasks)),
-        (_Section("top_failing_tasks", f"Top {TOP_FAILING} failing tasks",
-                  table=_html_table(failing, task_cols)), None),
+        (_table("top_failing_tasks", f"Top {TOP_FAILING} failing tasks", failing, task_cols),
+         None),
         (_Section("staleness", "Staleness of consumed groups",
                   note="Versions between the policy that sampled a group's oldest token and "
                   "the policy the learner trained from."),
          plots.staleness(f["staleness_histogram"])),
-        (_Section("importance_weights", "Importance-weight statistics",
-                  table=_html_table(f["importance_weights"], iw_cols)),
+        (_table("importance_weights", "Importance-weight statistics",
+                f["importance_weights"], iw_cols),
          plots.importance_weights(f["importance_weights"])),
-        (_Section("tool_usage", "Tool usage", table=_html_table(f["tool_usage"], tool_cols)),
+        (_table("tool_usage", "Tool usage", f["tool_usage"], tool_cols),
          plots.tool_usage(f["tool_usage"])),
         (_Section("failures", "Failure breakdown",
                   note="Red bars are infrastructure failures (episodes excluded, never 0)."),
@@ -228,8 +239,8 @@ def _replay_section(path: Path) -> tuple[_Section, Any]:
         f"From {path.name}: each loss/correction variant evaluated on the stored batches "
         "against the policy that trained them (docs/replay.md explains the columns)."
     )
-    table = _html_table(summary, [c for c in REPLAY_COLUMNS if c in summary.columns])
-    return _Section("replay", "Estimator replay", table=table, note=note), plots.replay(summary)
+    columns = [c for c in REPLAY_COLUMNS if c in summary.columns]
+    return _table("replay", "Estimator replay", summary, columns, note=note), plots.replay(summary)
 
 
 def build_report(
@@ -262,7 +273,7 @@ def build_report(
             path.write_bytes(data)
             pngs[section.key] = path
             uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
-            section = _Section(section.key, section.title, uri, section.table, section.note)
+            section = dataclasses.replace(section, image=uri)
         sections.append(section)
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
@@ -275,6 +286,7 @@ def build_report(
         generated_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         cards=_cards(frames),
         sections=sections,
+        fold_rows=FOLD_ROWS,
     )
     html_path = out / "index.html"
     html_path.write_text(html)

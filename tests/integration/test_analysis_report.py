@@ -32,8 +32,8 @@ def report_dir(analysis_duckdb_url: str, tmp_path_factory) -> Path:
     return out
 
 
-def _rendered_status(page: Path, profile: Path) -> str:
-    """What the page's load script wrote into ``data-report-status`` (ok:N / broken:N)."""
+def _dom(page: Path, profile: Path) -> str:
+    """The page's DOM after its load script ran, as headless Chromium serialises it."""
     dom = subprocess.run(
         [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", page.as_uri()],
         capture_output=True,
@@ -41,7 +41,12 @@ def _rendered_status(page: Path, profile: Path) -> str:
         timeout=120,
     )
     assert dom.returncode == 0, dom.stderr[-2000:]
-    found = re.search(r'data-report-status="([^"]*)"', dom.stdout)
+    return dom.stdout
+
+
+def _rendered_status(page: Path, profile: Path) -> str:
+    """What the page's load script wrote into ``data-report-status`` (ok:N / broken:N)."""
+    found = re.search(r'data-report-status="([^"]*)"', _dom(page, profile))
     assert found, "the page's load script did not run"
     return found.group(1)
 
@@ -62,6 +67,57 @@ def test_a_broken_plot_is_detected(report_dir: Path, tmp_path: Path) -> None:
     page = tmp_path / "broken.html"
     page.write_text(broken)
     assert _rendered_status(page, tmp_path / "profile") == "broken:1"
+
+
+LONG_VERSIONS = 200
+LONG_STEPS = 40
+"""Learner steps registered for the long report: enough to fold its table; each is two
+store transactions, so all 199 would add ~20 s for nothing the unit tests do not cover."""
+
+
+@pytest.fixture(scope="module")
+def long_report(tmp_path_factory) -> Path:
+    """The report of a run whose episodes span 200 policy versions (one group of 4 each,
+    written in one batch), with :data:`LONG_STEPS` learner steps claimed and registered."""
+    from sandpiper.analysis.synthetic import synthetic_run
+    from sandpiper.store import Store
+
+    base = tmp_path_factory.mktemp("long-report")
+    url = f"duckdb:///{base / 'store.duckdb'}"
+    run = synthetic_run(num_versions=LONG_VERSIONS - 1, groups_per_version=1, groups_per_step=1)
+    store = Store(url)
+    store.init()
+    store.ensure_run(run.run)
+    store.upsert_tasks(run.tasks)
+    store.register_policy(run.initial_policy)
+    store.write_groups(run.groups)
+    for step in run.steps[:LONG_STEPS]:
+        batch = store.claim_batch(run_id="synthetic", learner_id="l", n_groups=1, max_lag=10**6)
+        assert batch is not None
+        store.register_policy(step.policy, claim_id=batch.claim_id, metrics=step.metrics)
+    store.close()
+    build_report(url, base / "out", run_id="synthetic")
+    return base / "out"
+
+
+def test_a_200_version_report_reads_in_the_browser(long_report: Path, tmp_path: Path) -> None:
+    """Every plot decodes and is laid out with a visible size; every long table is folded
+    (closed ``<details>``), so the page opens on plots, not on 200 table rows."""
+    from sandpiper.analysis.report import FOLD_ROWS
+
+    require_chromium()
+    page = long_report / "index.html"
+    n_images = len(list(long_report.glob("*.png")))
+    dom = _dom(page, tmp_path / "profile")
+    status = re.search(r'data-report-status="([^"]*)"', dom)
+    assert status and status.group(1) == f"ok:{n_images}", status
+    # reward_by_version has one row per version, importance_weights one per learner step
+    folded = {int(n) for n in re.findall(r'<details data-rows="(\d+)">', dom)}
+    assert {LONG_VERSIONS, LONG_STEPS} <= folded, folded
+    assert "<details open" not in dom
+    outside = re.sub(r"<details.*?</details>", "", dom, flags=re.S)
+    for table in re.findall(r"<table>.*?</table>", outside, flags=re.S):
+        assert table.count("<tr>") - 1 <= FOLD_ROWS  # shown tables are short ones
 
 
 def require_chromium() -> None:
