@@ -84,7 +84,7 @@ def _config(tmp_path: Path) -> RunConfig:
         "sandbox": {"pool_size": 6, "memory_mb": 256, "workspace_size_mb": 64,
                     "exec_timeout_s": 5.0, "output_cap_bytes": 1024},
         "inference": {"max_model_len": 10_000_000},
-        "learner": {"model": str(REPO / "runs" / "tiny-model")},
+        "learner": {"model": str(REPO / "runs" / "tiny-model"), "micro_batch_tokens": 10_000_000},
         "collector": {
             "tasks": str(_tasks(tmp_path / "tasks")), "group_size": GROUP_SIZE,
             "max_turns": 100, "max_tokens_per_turn": 1_000_000,

@@ -44,6 +44,8 @@ def _run(tmp: Path, model: Path, groups: Path, *, nproc: int, stage: int) -> dic
         "--learner.model", str(model), "--learner.groups_per_step", "2",
         "--learner.max_steps", "2", "--learner.max_lag", "10", "--learner.lr", "1e-3",
         "--learner.micro_batch_tokens", "40", "--learner.minibatches", "2",
+        "--inference.max_model_len", "40", "--collector.max_episode_tokens", "40",
+        "--collector.max_tokens_per_turn", "40",
         "--learner.max_idle_s", "1", "--learner.poll_interval_s", "0.1",
         "--learner.deepspeed_config", str(REPO / f"configs/deepspeed_zero{stage}.json"),
     ]  # fmt: skip

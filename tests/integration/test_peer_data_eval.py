@@ -142,7 +142,7 @@ def test_peer_data_imported_and_evaluated_through_the_cli(sandbox_image, tmp_pat
         f'[store]\nurl = "duckdb:///{tmp_path / "store.duckdb"}"\nflush_interval_s = 0.2\n'
         '[sandbox]\npool_size = 1\nmemory_mb = 256\nworkspace_size_mb = 64\n'
         f'[collector]\ntasks = "{imported}"\nvalidation_group_size = 1\nmax_turns = 4\n'
-        "max_tokens_per_turn = 4096\nmax_concurrent_episodes = 2\n"
+        "max_tokens_per_turn = 2048\nmax_concurrent_episodes = 2\n"
     )  # fmt: skip
     try:
         cmd = [sys.executable, "-m", "sandpiper.cli", "collect", "--config", str(config),

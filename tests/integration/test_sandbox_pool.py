@@ -307,7 +307,8 @@ def test_gc_keeps_a_live_collector_in_another_pid_namespace_and_host(
         time.sleep(3)  # > the TTL below: only the namespaced collector heartbeats meanwhile
         gc_cli = subprocess.run(
             [sys.executable, "-m", "sandpiper.cli", "sandbox", "gc", "--store.url", url,
-             "--collector.heartbeat_ttl_s", "2", "--grace-s", "1000000000"],
+             "--collector.heartbeat_ttl_s", "2", "--collector.heartbeat_s", "1",
+             "--grace-s", "1000000000"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert gc_cli.returncode == 0, gc_cli.stdout + gc_cli.stderr
