@@ -69,7 +69,7 @@ def reward_from_result(
 def _from_json(text: str, result_format: str) -> tuple[float, dict[str, Any]]:
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's stack
         return 0.0, {"format": result_format, "error": "the result is not JSON"}
     if not isinstance(obj, dict):
         return 0.0, {"format": result_format, "error": "the result is not a JSON object"}

@@ -31,6 +31,7 @@ TRICKY = [
     SURROGATES,
     text.MARKER,
     text.MARKER + "NaN",
+    text.FLOAT + "1e+20",
     text.MARKER + r"\x00 not an escape",
     r"\x00 \\ \udc80 literal backslashes",
     "\\",
@@ -167,3 +168,55 @@ def test_codec_is_exact_and_verbatim_for_clean_text(value):
     assert stored is not None
     stored.encode("utf-8")  # always valid UTF-8
     assert "\x00" not in stored
+
+
+def _nested(depth: int):
+    value: object = "bottom\x00"
+    for i in range(depth):
+        value = {f"k{i}": value} if i % 2 else [value]
+    return value
+
+
+def test_extreme_values_round_trip(store, tmp_path):
+    """What else a grader's result file or a tool can put into a record: deep nesting, a
+    4,000-digit integer, float extremes, and a 20 MB tool output (docs/security.md)."""
+    breakdown = {"deep": _nested(text.MAX_JSON_DEPTH - 1), "huge_int": 10**4000, "max": 1.7976931348623157e308,
+                 "tiny": 5e-324, "neg": -2.5, "e20": 1e20, "third": 1 / 3, "one": 1.0, "t": True, "none": None}  # fmt: skip
+    g = make_group("extreme", n_episodes=2, n_turns=3, tokens_per_turn=4)
+    big = "x" * (20 << 20)
+    e0 = g.episodes[0]
+    turn = e0.turns[1]
+    call = dataclasses.replace(turn.tool_calls[0], output=big, output_bytes_total=2**40)
+    e0 = dataclasses.replace(
+        e0,
+        reward_breakdown=breakdown,
+        turns=(e0.turns[0], dataclasses.replace(turn, tool_calls=(call,)), e0.turns[2]),
+    )
+    g = dataclasses.replace(g, episodes=(e0, *g.episodes[1:]))
+    with GroupWriter(store, flush_interval_s=0.05, flush_max_episodes=4,
+                     spool_dir=str(tmp_path / "spool")) as w:  # fmt: skip
+        w.put(g)
+        w.flush(timeout_s=120)
+        assert w.committed_groups == 1 and w.dead_groups == 0
+    T = schema
+    with store.connect_readonly() as conn:
+        got = conn.execute(
+            sa.select(T.episodes.c.reward_breakdown).where(T.episodes.c.episode_id == "extreme#0")
+        ).scalar_one()
+        out, total = conn.execute(
+            sa.select(T.tool_calls.c.output, T.tool_calls.c.output_bytes_total).where(
+                T.tool_calls.c.episode_id == "extreme#0"
+            )
+        ).one()
+    assert _same(got, breakdown)
+    assert out == big and total == 2**40
+
+
+def test_json_nested_past_the_limit_is_cut_loudly_not_failed():
+    deep = _nested(5000)
+    stored = text.loads(text.dumps({"deep": deep}))
+    node, depth = stored["deep"], 2  # the outer dict is level 1
+    while isinstance(node, list | dict):
+        node = node[0] if isinstance(node, list) else next(iter(node.values()))
+        depth += 1
+    assert node == text.decode(text.CUT) and depth == text.MAX_JSON_DEPTH + 1

@@ -55,3 +55,11 @@ def test_exit_status_only_when_declared():
     assert _get("result_file", exit_code=0)[0] == 0.0
     with pytest.raises(ValueError, match="unknown result format"):
         _get("pytest")
+
+
+def test_a_result_nested_past_the_stack_scores_zero_instead_of_crashing():
+    deep = "[" * 100_000 + "]" * 100_000
+    reward, details = reward_from_result(
+        "result_file", result_text=deep, stdout="", exit_code=0, secret="s"
+    )
+    assert reward == 0.0 and details["error"] == "the result is not JSON"
