@@ -16,12 +16,23 @@ def register(app: typer.Typer) -> None:
         config: ConfigOption = None,
         host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Port (0: any free port).")] = 8300,
+        time_limit_s: Annotated[
+            float,
+            typer.Option(
+                "--time-limit-s",
+                min=0.001,
+                help="An episode's time limit unless POST /episodes gives one; past it the "
+                "episode is closed and stored (stop reason time_limit).",
+            ),
+        ] = 600.0,
     ) -> None:
         """Serve the run's policy as an OpenAI-compatible API, one base URL per episode.
 
         POST /episodes opens an episode and returns its base URL (model name ``policy``);
         POST /episodes/<id>/close returns its calls with token ids, logprobs and policy
-        versions. The collector runs the same gateway for tasks that name an agent_command
+        versions. Every episode is stored in the run's store when it ends: closed, past its
+        time limit, or still open when the gateway stops (stop reason cancelled). The
+        collector runs the same gateway for tasks that name an agent_command
         (docs/gateway.md). Stops on SIGTERM / Ctrl-C.
         """
         import asyncio
@@ -38,7 +49,9 @@ def register(app: typer.Typer) -> None:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
-            await serve(cfg.for_collector(), host=host, port=port, stop=stop)
+            await serve(
+                cfg.for_collector(), host=host, port=port, stop=stop, time_limit_s=time_limit_s
+            )
 
         with cli_errors():
             asyncio.run(main())
