@@ -37,8 +37,9 @@ object, arguments larger than the cap, an unclosed block, arguments nested deepe
 long to convert, lone surrogates such as ``"\\ud800"`` that no UTF-8 file, shell or store
 can hold) comes back as a
 :class:`ParsedToolCall` with an ``error_kind`` and a message the agent is shown. Unknown
-tool names and argument types are checked by the toolbox, which knows the schemas; the XML
-parser only uses the schemas to convert parameter strings to their declared JSON types.
+tool names and argument types are checked by the toolbox, which knows the schemas (in the
+gateway, by :mod:`sandpiper.collector.client_tools` against the client's declared tools); the
+XML parser only uses the schemas to convert parameter strings to their declared JSON types.
 """
 
 from __future__ import annotations
