@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sandpiper.analysis.query import QueryError, fetch, reader, run_sql
+from sandpiper.store import text as store_text
 
 if TYPE_CHECKING:
     import polars as pl
@@ -192,11 +193,23 @@ def episode(store: Store | str, episode_id: str) -> EpisodeDetail:
             params,
         )
     raw = breakdown["reward_breakdown"][0]
+    raw = json.loads(raw) if isinstance(raw, str) else dict(raw or {})
     return EpisodeDetail(
         summary=summary.row(0, named=True),
-        reward_breakdown=json.loads(raw) if isinstance(raw, str) else dict(raw or {}),
-        turns=turns,
-        tool_calls=calls,
+        reward_breakdown=store_text.readable_json(raw),
+        turns=_readable(turns, "text"),
+        tool_calls=_readable(calls, "name", "arguments", "output"),
+    )
+
+
+def _readable(frame: pl.DataFrame, *columns: str) -> pl.DataFrame:
+    """Text columns as people should read them: the store's escape of NUL and lone
+    surrogates undone (:mod:`sandpiper.store.text`; surrogates shown as ``\\udXXX``)."""
+    import polars as pl
+
+    return frame.with_columns(
+        pl.Series(c, [store_text.readable(v) for v in frame[c].to_list()], dtype=pl.String)
+        for c in columns
     )
 
 

@@ -74,6 +74,11 @@ def load_frames(store: Store | str, run_id: str | None) -> dict[str, pl.DataFram
         runs = fetch(conn, "SELECT run_id FROM runs ORDER BY created_at")["run_id"].to_list()
         run_id = _pick_run(runs, run_id)
         frames = {v: read_view(conn, v, run_id) for v in views}
+        where = "" if run_id is None else " WHERE run_id = :run_id"
+        frames["dead_groups"] = fetch(
+            conn, "SELECT group_id, source, attempts, error FROM dead_groups" + where,
+            {"run_id": run_id},
+        )  # fmt: skip
     return frames
 
 
@@ -152,6 +157,8 @@ def _cards(f: dict[str, pl.DataFrame]) -> list[tuple[str, str]]:
         ("pass rate", _fmt(valid["passed"].mean() if valid.height else None)),
         ("learner steps", str(f["importance_weights"].height)),
         ("zero-variance groups", "—" if zero_share is None else f"{zero_share:.0%}"),
+        # loud: groups the store or the learner could not take (`sandpiper store dead`)
+        ("DEAD groups (set aside)", str(f["dead_groups"].height)),
     ]
 
 

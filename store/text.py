@@ -90,6 +90,28 @@ def decode(s: str | None) -> str | None:
     return _ESCAPED.sub(_unescape_char, s[1:])
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def readable(s: str | None) -> str | None:
+    """For people and dataframes: the decoded string with lone surrogates written as
+    ``\\udXXX`` (a terminal, polars and Arrow need valid UTF-8; the exact value is
+    :func:`decode`'s)."""
+    s = decode(s)
+    if s is None or s.isascii() or not _SURROGATE.search(s):
+        return s
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group(0)):04x}", s)
+
+
+def readable_json(value: Any) -> Any:
+    """:func:`decode_json_value` with strings made :func:`readable`."""
+    return _walk(decode_json_value(value), _readable_leaf, _readable_leaf)
+
+
+def _readable_leaf(v: Any) -> Any:
+    return readable(v) if isinstance(v, str) else v
+
+
 def encode_json_value(value: Any) -> Any:
     """``value`` (JSON-like: dicts, lists, strings, numbers) with every string and key
     escaped and non-finite floats replaced by their marker strings. Iterative: no nesting

@@ -220,3 +220,16 @@ def test_json_nested_past_the_limit_is_cut_loudly_not_failed():
         node = node[0] if isinstance(node, list) else next(iter(node.values()))
         depth += 1
     assert node == text.decode(text.CUT) and depth == text.MAX_JSON_DEPTH + 1
+
+
+def test_the_analysis_api_shows_escaped_text_as_people_read_it(store, tmp_path):
+    from sandpiper.analysis import api
+
+    value = "nul\x00 and \udc80 bad byte"
+    with GroupWriter(store, flush_interval_s=0.05, flush_max_episodes=4,
+                     spool_dir=str(tmp_path / "spool")) as w:  # fmt: skip
+        w.put(_poisoned_group("shown", value))
+    detail = api.episode(store, "shown#0")
+    assert set(detail.turns["text"].to_list()) == {"nul\x00 and \\udc80 bad byte"}
+    assert set(detail.tool_calls["output"].to_list()) == {"nul\x00 and \\udc80 bad byte"}
+    assert detail.reward_breakdown["nested"][0] == "nul\x00 and \\udc80 bad byte"

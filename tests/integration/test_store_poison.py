@@ -85,6 +85,10 @@ def test_a_group_that_fails_on_commit_is_set_aside_and_the_others_are_stored(sto
     assert "duplicate" in dead.error.lower()  # the database's own error, not a follow-up
     assert not list((spool / "dead").glob("*"))  # listed in the store, so no local copy left
     assert store.stats()["dead_groups"] == 1
+    from sandpiper.analysis.report import _cards, load_frames
+
+    store.ensure_run(RunRecord("run", "{}", "test"))
+    assert ("DEAD groups (set aside)", "1") in _cards(load_frames(store, "run"))
 
     assert store.retry_dead()["poison"].startswith("failed")  # not fixed yet: stays listed
     assert store.dead_groups()[0].attempts == 2
