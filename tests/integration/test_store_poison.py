@@ -122,7 +122,7 @@ def test_an_outage_sets_nothing_aside(store, tmp_path, monkeypatch):
 
 def test_a_failed_transaction_leaves_every_write_path_usable(store, tmp_path):
     _squat(store, "bad#0")
-    with pytest.raises(Exception, match="(?i)duplicate"):  # the driver's own error class
+    with pytest.raises(Exception, match=r"(?i)duplicate"):  # the driver's own error class
         store.write_groups_report([make_group("bad")])
     assert store.write_groups([make_group("clean")]) == 1  # the bulk path after a failure
     store.ensure_run(RunRecord("run", "{}", "test"))
