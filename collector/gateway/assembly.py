@@ -78,8 +78,8 @@ def assemble(
         chains[chain].append(call)
         tail[call.index] = chain
     turns: list[TurnRecord] = []
-    for chain in chains:
-        for k, call in enumerate(chain):
+    for calls_of_chain in chains:
+        for k, call in enumerate(calls_of_chain):
             if k == 0:
                 turns.append(_plain(len(turns), Role.USER, call.prompt_ids, call, decode))
             elif call.delta_ids:

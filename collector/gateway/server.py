@@ -43,6 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from sandpiper.collector.client_tools import client_calls
+from sandpiper.collector.gateway import messages_api, responses_api
 from sandpiper.collector.gateway import openai_api as api
 from sandpiper.collector.gateway.assembly import call_id
 from sandpiper.collector.gateway.request_params import (
@@ -137,7 +138,10 @@ class Gateway:
                 Route("/episodes/{eid}/v1/models", self._models, methods=["GET"]),
                 Route("/episodes/{eid}/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/episodes/{eid}/v1/completions", self._completions, methods=["POST"]),
-            ]
+                *responses_api.routes(self),
+                *messages_api.routes(self),
+            ],
+            exception_handlers={404: self._unknown_route, 405: self._unknown_route},
         )
 
     # ---- Python API -------------------------------------------------------------------
@@ -199,6 +203,17 @@ class Gateway:
             self._server = None
 
     # ---- routes -----------------------------------------------------------------------
+
+    async def _unknown_route(self, request: Request, exc: Exception) -> Response:
+        """No route for this method and path: a JSON error naming the supported ones."""
+        supported = [f"{' '.join(sorted(r.methods or ()))} {r.path}" for r in self.app.routes
+                     if isinstance(r, Route)]  # fmt: skip
+        log.debug("gateway: no route %s %s", request.method, request.url.path)
+        err = api.APIError(
+            404, f"no route {request.method} {request.url.path} on this gateway; it serves: "
+            + "; ".join(supported), code="unknown_route",
+        )  # fmt: skip
+        return JSONResponse(err.body(), status_code=404)
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"ok": True, "episodes": len(self._episodes)})

@@ -220,6 +220,9 @@ class EpisodeSession:
         """Sampled tokens allowed over the episode; None = unlimited."""
         self.completion_tokens = 0
         self._checks: list[tuple[GatewayCall, Callable[[], bool]]] = []
+        self.api_state: dict[str, Any] = {}
+        """State an API keeps for the episode's calls (the Responses API's stored
+        responses, say): it lives and goes with the episode."""
         self.budget_spent: StopReason | None = None
         """Set when a call was refused because a budget was spent (the episode's stop)."""
 
