@@ -203,9 +203,9 @@ def encode_column(values: list[str | None]) -> list[str | None]:
     return [v if v is None or not needs_escape(v) else encode(v) for v in values]
 
 
-def decode_column(col: pa.ChunkedArray | pa.Array) -> list[str | None]:
-    """The decoded Python strings of a text column read as Arrow."""
-    return [decode(v) for v in col.to_pylist()]
+def decode_column(col: pa.ChunkedArray | pa.Array) -> list[str]:
+    """The decoded Python strings of a text column without NULLs, read as Arrow."""
+    return [v if v[:1] != MARKER else _ESCAPED.sub(_unescape_char, v[1:]) for v in col.to_pylist()]
 
 
 class SafeText(sa.types.TypeDecorator):
