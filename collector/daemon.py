@@ -30,9 +30,13 @@ until ``stop`` is set (or ``max_groups`` train groups are written):
 - **Validation.** Every ``validation_every_versions`` new versions, one group of
   ``validation_group_size`` samples per validation task, stored with ``split=validation``
   (the learner never trains on them).
-- **Stop.** Setting ``stop`` (SIGTERM/SIGINT in the CLI) stops new groups, lets running ones
-  finish for up to ``drain_timeout_s``, cancels the rest (their ids are re-run after a
-  restart) and flushes the writer.
+- **Stop.** Setting ``stop`` (SIGTERM/SIGINT in the CLI) stops new groups; from then on the
+  collector keeps to ``drain_timeout_s`` whatever the store does. Running groups may finish
+  for the first :data:`GROUPS_SHARE` of it; the rest are cancelled (their ids are re-run
+  after a restart). The final commit and the release of unfinished task slots get what is
+  left: a store that is down, locked by another process or hung cannot hold the stop past
+  the deadline. What is not committed by then stays in the spool (acknowledged, durable),
+  said in one log line, and the next collector started on that spool commits it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import asyncio
 import functools
 import logging
 import math
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -52,6 +57,7 @@ from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.inference.base import Generation, PolicyClient, SamplingParams
 from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.shutdown import final_commit, flush_until_stopped
 from sandpiper.collector.status import CollectorMetrics
 from sandpiper.collector.tasks import Task
 from sandpiper.config import CollectorSettings, RunConfig, collector_settings
@@ -68,6 +74,10 @@ from sandpiper.store.records import (
 )
 
 log = logging.getLogger(__name__)
+
+GROUPS_SHARE = 0.75
+"""Share of ``drain_timeout_s`` that running groups get to finish after a stop; the final
+commit and the slot release get the rest."""
 
 
 class Pool(Protocol):
@@ -178,7 +188,8 @@ class Collector:
         self._loop = asyncio.get_running_loop()
         await self._heartbeat()
         # commit what a crashed predecessor on this spool acknowledged, under its slot leases
-        await asyncio.to_thread(self.writer.flush)
+        if not await flush_until_stopped(self.writer, stop):
+            return self.metrics
         await asyncio.to_thread(self._retire_predecessor)
         await self._poll_store()
         if self.gateway is None and any(agent_command(t) for t in self.train_tasks):
@@ -190,23 +201,26 @@ class Collector:
             asyncio.create_task(self._every(self.cc.status_interval_s, self._report)),
             asyncio.create_task(self._every(self.cc.heartbeat_s, self._heartbeat)),
         ]
+        deadline = None
         try:
             await self._schedule(stop)
-            await self._drain()
+            drain_s = self.cc.drain_timeout_s
+            if stop.is_set():  # a stop signal: everything by the deadline
+                deadline = time.monotonic() + drain_s
+                await self._drain(GROUPS_SHARE * drain_s)
+            else:  # max_groups reached: the groups may take it all, the commit as long again
+                await self._drain(drain_s)
+                deadline = time.monotonic() + drain_s
         finally:
+            if deadline is None:  # a failure: the same bounded stop
+                deadline = time.monotonic() + self.cc.drain_timeout_s
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             if self.gateway is not None:
                 await self.gateway.aclose()
             try:
-                # bounded: groups that cannot be committed now stay in the spool for the next
-                # start; their slots stay leased until the heartbeat lapses (then re-issued)
-                await asyncio.to_thread(self.writer.flush, self.cc.drain_timeout_s + 60.0)
-                # frees the slots of cancelled groups and unstarted leases for others at once
-                freed = await asyncio.to_thread(self.store.stop_collector, self.collector_id)
-                if freed:
-                    log.info("released %d unfinished task slots", freed)
+                await final_commit(self.writer, self.store, self.collector_id, deadline)
             finally:
                 self._refresh_metrics()
                 await self._report()
@@ -310,16 +324,19 @@ class Collector:
     def _count(self, group: GroupRecord, outcome: WriteOutcome) -> None:
         if outcome is WriteOutcome.STORED:
             self.metrics.add_group(group)
+        elif outcome is WriteOutcome.DEAD:  # the writer logged why; the others go on
+            self.metrics.groups_dead += 1
         elif outcome is not WriteOutcome.REPLAYED:
             self.metrics.groups_rejected += 1
             log.error("group %s was refused by the store (%s)", group.group_id, outcome)
 
-    async def _drain(self) -> None:
+    async def _drain(self, wait_s: float) -> None:
+        """Let running groups finish for up to ``wait_s``, then cancel the rest."""
         tasks = [t for t, _ in self._groups.values()]
         if not tasks:
             return
-        log.info("draining %d groups (up to %.0f s)", len(tasks), self.cc.drain_timeout_s)
-        _, pending = await asyncio.wait(tasks, timeout=self.cc.drain_timeout_s)
+        log.info("draining %d groups (up to %.0f s)", len(tasks), wait_s)
+        _, pending = await asyncio.wait(tasks, timeout=wait_s)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

