@@ -29,9 +29,12 @@ lint:  ## ruff check, ruff format --check, mypy, import contracts (.importlinter
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-bench: setup  ## run every benchmark (each prints its ratio against a baseline from the same run)
+bench: setup  ## run every benchmark, append its figures to bench/results/, refresh the README table
 	@mkdir -p runs/bench
-	@for b in bench/*_bench.py; do echo "== $$b"; $(PY) $$b --json | tee runs/bench/$$(basename $$b .py).log | tail -n 1; done
+	@for b in bench/*_bench.py; do echo "== $$b"; log=runs/bench/$$(basename $$b .py).log; \
+		load=$$(cut -d' ' -f1 /proc/loadavg); $(PY) $$b --json | tee $$log | tail -n 1; \
+		$(PY) bench/report.py --append $$b $$log --load-start $$load; done
+	$(PY) bench/report.py --write-readme README.md
 
 clean:  ## remove run outputs (keeps the venv and the image)
 	rm -rf runs/*/ .pytest_cache
