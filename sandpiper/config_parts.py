@@ -206,8 +206,10 @@ class CollectorConfig(_Part):
     policy_poll_s: float = Field(default=2.0, gt=0)
     """How often the store is polled for new policy versions and the learner's progress."""
     drain_timeout_s: float = Field(default=120.0, ge=0)
-    """On SIGTERM, how long running groups may finish before they are cancelled (and re-run
-    with the same group id after a restart)."""
+    """On SIGTERM, how long the collector may take to stop, whatever the store does: running
+    groups may finish for three quarters of it before they are cancelled (and re-run with the
+    same group id after a restart); the final commit gets the rest, and what it cannot commit
+    stays in the spool for the next start. Sandboxes and local servers are closed after it."""
     test_timeout_s: float = Field(default=120.0, gt=0)
     """Timeout of the task's test script at submit."""
     max_argument_bytes: int = Field(default=65_536, ge=64)
