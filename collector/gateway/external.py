@@ -6,6 +6,8 @@ starting that command on the collector's host with:
 - ``OPENAI_BASE_URL`` / ``OPENAI_API_BASE`` = the episode's gateway URL
   (``.../episodes/<id>/v1``), ``OPENAI_API_KEY`` = a per-episode token, ``SANDPIPER_MODEL`` =
   the model name the gateway serves (clients must send it as ``model``);
+  ``ANTHROPIC_BASE_URL`` = the same URL without ``/v1`` (Anthropic clients append it) and
+  ``ANTHROPIC_API_KEY`` = the token;
 - ``SANDPIPER_EXEC_URL`` = ``.../episodes/<id>/exec``: the agent's commands go there and
   run in the episode's sandbox through the same ``execute_bash`` tool the native loop uses
   (same uid, caps, timeouts). The sandbox keeps ``--network none``: the agent runs outside
@@ -161,7 +163,8 @@ def _agent_env(
 ) -> dict[str, str]:
     task_file = tmp / "task.txt"
     task_file.write_text(task.instruction, encoding="utf-8", errors="replace")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "SANDPIPER_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OPENAI_", "ANTHROPIC_", "SANDPIPER_"))}  # fmt: skip
     # programs installed beside sandpiper (mini-swe-agent's `mini`, say) are found first
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     extra = task.reference.agent_env or {}
@@ -170,6 +173,8 @@ def _agent_env(
         OPENAI_BASE_URL=url,
         OPENAI_API_BASE=url,
         OPENAI_API_KEY=f"sandpiper-{episode_id}",
+        ANTHROPIC_BASE_URL=url.removesuffix("/v1"),
+        ANTHROPIC_API_KEY=f"sandpiper-{episode_id}",
         SANDPIPER_MODEL=gateway.settings.model_names[0],
         SANDPIPER_EXEC_URL=url.removesuffix("/v1") + "/exec",
         SANDPIPER_TASK=task.instruction,

@@ -238,3 +238,19 @@ def test_a_sub_agent_between_two_main_calls_keeps_both_branches_exact(tiny_token
     assert main_ids == [*policy.prompts[2], *sampled]
     assert turns[1].tool_calls[0].output == "main out"
     assert turns[5].tool_calls[0].output == "sub out"
+
+
+def test_an_external_agent_gets_the_anthropic_base_url(tmp_path, monkeypatch):
+    """Claude Code reads ANTHROPIC_BASE_URL (no ``/v1``); a key from the collector's own
+    environment never reaches the agent."""
+    from types import SimpleNamespace
+
+    from sandpiper.collector.gateway.external import _agent_env
+
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "the-host-key")
+    task = SimpleNamespace(instruction="do", reference=SimpleNamespace(agent_env=None))
+    gateway = SimpleNamespace(settings=GatewaySettings(model_names=(MODEL,)))
+    url = "http://127.0.0.1:9/episodes/e1/v1"
+    env = _agent_env(task, url, gateway, "e1", tmp_path)
+    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9/episodes/e1"
+    assert env["ANTHROPIC_API_KEY"] == "sandpiper-e1" == env["OPENAI_API_KEY"]

@@ -203,3 +203,31 @@ def test_an_unknown_route_names_the_supported_ones(tiny_tokenizer):
                   "POST /episodes/{eid}/v1/chat/completions"):  # fmt: skip
         assert route in message
     assert wrong_method.json()["error"]["code"] == "unknown_route"
+
+
+def test_the_agents_sdk_with_default_settings_runs_an_episode(tiny_tokenizer):
+    """``Runner.run`` speaks the Responses API by default: its function tool is called, its
+    output sent back, and the episode is one token-exact sequence."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    add_call = '<tool_call>\n{"name": "add", "arguments": {"a": 6, "b": 36}}\n</tool_call>'
+
+    @agents.function_tool
+    def add(a: int, b: int) -> str:
+        """Add two integers."""
+        return str(a + b)
+
+    async def main():
+        async with _episode(tiny_tokenizer, [add_call, "42"]) as (gw, policy, renderer, client):
+            agent = agents.Agent(
+                name="calc", instructions="Use the tools.", tools=[add],
+                model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
+            )  # fmt: skip
+            result = await agents.Runner.run(agent, "6+36?")
+            return result, policy, renderer, gw.close_episode("e")
+
+    result, policy, renderer, session = asyncio.run(main())
+    assert result.final_output == "42"
+    _spliced(policy, session, 1)
+    assert session.calls[0].tool_outputs == {"call_0_0": "42"}
+    assert assemble(session.calls, renderer.decode)[1].segments == 1
