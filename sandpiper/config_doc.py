@@ -89,4 +89,3 @@ def render() -> str:
         if isinstance(section, type) and issubclass(section, BaseModel):
             out += _section(name, section)
     return "\n".join(out).rstrip() + "\n"
-

@@ -14,6 +14,12 @@ class ConfigError(SandpiperError, ValueError):
     """A config file or override is malformed or names a field that does not exist."""
 
 
+class SetupError(SandpiperError, RuntimeError):
+    """The host is not ready for what the config asks: a model folder or task source that is
+    missing, a port in use, podman or the sandbox image missing, a folder that cannot be
+    written, a full disk. The message says what to do."""
+
+
 class StoreError(SandpiperError, RuntimeError):
     """The trajectory store cannot do what was asked."""
 

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from sandpiper.commands._common import cli_errors, command, resolve_config
+from sandpiper.commands._preflight import check_model, check_podman, check_server_ports
 from sandpiper.demo.tasks import COMPUTE_FRACTION
 
 PROGRESS_EVERY_S = 30.0
@@ -69,7 +70,10 @@ def register(app: typer.Typer) -> None:
                     console.print(f"deleted {path}")
             elif cfg.run_dir.is_dir():
                 console.print(f"resuming the demo in {cfg.run_dir} (--fresh starts over)")
+            check_podman(cfg.sandbox.image)
+            check_server_ports(cfg)
             sft_cfg, grpo_cfg = d.prepare(cfg, n_tasks, spec.sft_learner)
+            check_model(cfg.learner.model)
             started = time.monotonic()
             console.rule("[bold]1/3 demonstrations (real sandboxes, scripted demonstrator)")
             d.collect_demonstrations(sft_cfg, compute_fraction=compute_fraction)

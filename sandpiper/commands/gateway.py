@@ -42,6 +42,13 @@ def register(app: typer.Typer) -> None:
         from sandpiper.collector.gateway.standalone import serve
 
         cfg = resolve_config(config, ctx)
+        with cli_errors():
+            from sandpiper.commands import _preflight as pf
+
+            pf.check_port_free(port, host=host, field="--port")
+            if not cfg.inference.server_urls:
+                pf.check_model(cfg.learner.model)
+                pf.check_server_ports(cfg)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
         async def main() -> None:

@@ -34,6 +34,10 @@ def register(app: typer.Typer) -> None:
         extra = list(ctx.args) + (["--learner.algo", algo] if algo else [])
         ctx.args = extra
         cfg = resolve_config(config, ctx)
+        with cli_errors():
+            from sandpiper.commands._preflight import learner_ready
+
+            learner_ready(cfg)
         if nproc > 1:
             launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
             argv = [

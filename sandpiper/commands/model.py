@@ -8,14 +8,14 @@ from typing import Annotated
 
 import typer
 
-from sandpiper.commands._common import cli_errors
+from sandpiper.commands._common import VerboseCommand, cli_errors
 
 
 def register(app: typer.Typer) -> None:
     model_app = typer.Typer(help="Build and inspect policy models.", no_args_is_help=True)
     app.add_typer(model_app, name="model")
 
-    @model_app.command("init-tiny")
+    @model_app.command("init-tiny", cls=VerboseCommand)
     def init_tiny(
         out_dir: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
         seed: Annotated[int, typer.Option(help="Weight initialisation seed.")] = 0,
@@ -25,10 +25,11 @@ def register(app: typer.Typer) -> None:
         The same seed writes byte-identical files."""
         from sandpiper.tiny_model import count_parameters, init_tiny_model
 
-        path = init_tiny_model(out_dir, seed=seed)
+        with cli_errors():
+            path = init_tiny_model(out_dir, seed=seed)
         typer.echo(f"wrote {path} ({count_parameters(path):,} parameters, seed {seed})")
 
-    @model_app.command("import")
+    @model_app.command("import", cls=VerboseCommand)
     def import_(
         src: Annotated[
             str,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from sandpiper.commands._common import ConfigOption, cli_errors, command, resolve_config
+from sandpiper.commands._preflight import check_podman
 from sandpiper.errors import SandpiperError
 
 
@@ -23,6 +24,7 @@ def register(app: typer.Typer) -> None:
 
         cfg = resolve_config(config, ctx)
         with cli_errors():
+            check_podman()
             tag = ensure_image(cfg.sandbox.image, force=force)
         typer.echo(f"{cfg.sandbox.image} = {tag}")
 
@@ -41,6 +43,7 @@ def register(app: typer.Typer) -> None:
             return results
 
         with cli_errors():
+            check_podman(cfg.sandbox.image)
             results = asyncio.run(check_and_cache())
         for r in results:
             mark = typer.style("ok  ", fg="green") if r.passed else typer.style("FAIL", fg="red")
@@ -65,6 +68,7 @@ def register(app: typer.Typer) -> None:
 
         cfg = resolve_config(config, ctx)
         with cli_errors():
+            check_podman()
             try:
                 store = _open_store(cfg)
                 judged = asyncio.run(verdicts(store, ttl_s=cfg.collector.heartbeat_ttl_s))
@@ -106,6 +110,7 @@ def register(app: typer.Typer) -> None:
 
         cfg = resolve_config(config, ctx)
         with cli_errors():
+            check_podman()
             try:
                 store = _open_store(cfg)
             except SandpiperError as e:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from sandpiper.commands._common import cli_errors
+from sandpiper.commands._common import VerboseCommand, cli_errors
 
 FORMATS = ("auto", "jsonl", "folder", "llm_in_sandbox", "trl_daytona")
 
@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     tasks_app = typer.Typer(help="Import and inspect task sets.", no_args_is_help=True)
     app.add_typer(tasks_app, name="tasks")
 
-    @tasks_app.command("import")
+    @tasks_app.command("import", cls=VerboseCommand)
     def import_(
         source: Annotated[Path, typer.Argument(help="JSONL file, task folder or folder of them.")],
         out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")],
@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
         n_val = sum(t.split.value == "validation" for t in tasks)
         typer.echo(f"imported {len(tasks)} tasks into {out} ({n_val} validation)")
 
-    @tasks_app.command("list")
+    @tasks_app.command("list", cls=VerboseCommand)
     def list_(
         source: Annotated[Path, typer.Argument(help="JSONL file, task folder or folder of them.")],
         validation_fraction: Annotated[

@@ -137,7 +137,7 @@ SETTINGS = [(c, n, i, t) for c, n, i, t in FIELDS if _section_of(c) is None]
 )
 def test_a_parts_settings_refuse_what_the_config_refuses(cls, name, info, t) -> None:
     config = RunConfig()
-    valid = (config.for_collector() if "Collector" in cls.__name__ else config.for_learner())
+    valid = config.for_collector() if "Collector" in cls.__name__ else config.for_learner()
     assert isinstance(valid, cls)
     for value in _past(info, t):
         with pytest.raises(ValidationError, match=name):
