@@ -8,7 +8,7 @@ encoding the body, retry bookkeeping, parsing the answer into a Generation).
 
 Figures (``--json``: one JSON object on the last line): ``client_cpu_us_per_call``,
 ``plain_httpx_cpu_us_per_call`` (medians over ``--reps`` runs of ``--calls`` calls) and
-``client_vs_plain_httpx`` (their ratio; session 13: ~200 -> 115-135 us, 0.83-1.06 x).
+``client_vs_plain_httpx`` (their ratio). Measured figures: bench/results/client_bench.json.
 
     python bench/client_bench.py --json
 """

@@ -21,14 +21,13 @@ Figures:
 ``--model smollm2`` serves the real pretrained model (SmolLM2-135M-Instruct from
 ``runs/smollm2-135m``) in the ``bash_block`` action format: scripted replies are fenced bash
 blocks and the sentinel command, observations come back as user turns.
-
 Usage::
 
     python bench/collector_bench.py --json                     # starts its own vLLM server
     python bench/collector_bench.py --model smollm2 --json     # the real model, bash blocks
     python bench/collector_bench.py --url http://127.0.0.1:8100 --model-dir runs/tiny-model
 
-The last line with ``--json`` is one JSON object.
+With ``--json`` the last line is one JSON object; measured figures: bench/results/.
 """
 
 from __future__ import annotations

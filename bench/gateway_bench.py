@@ -1,71 +1,29 @@
 """Gateway cost: latency an OpenAI-compatible call adds over calling vLLM directly.
 
 Two processes, as in a real run: this one is the collector (the :class:`Gateway` and the
-:class:`VLLMPolicyClient` it shares with the native loop), and the agent is a separate
-Python process (``bench/gateway_agent.py``, started here) making plain HTTP calls with
-``httpx`` (the transport of the ``openai`` client). Each agent episode makes ``--turns`` chat calls with
-the run's tool schemas, each later call sending the previous reply and a tool result back,
-as agents do; greedy (temperature 0). One warm-up episode (connections, caches) precedes
-the timed ones.
+:class:`VLLMPolicyClient` it shares with the native loop); the agent is a separate process
+(``bench/gateway_agent.py``) making plain ``httpx`` calls (the ``openai`` client's transport),
+``--turns`` chat calls per episode with the run's tool schemas, greedy. One warm-up episode.
 
-**Added latency, measured inside each call.** The gateway calls vLLM through the native
-loop's client and records how long that call took (``GatewayCall.duration_ms``, timed
-around the client's ``generate`` only). ``added`` = the agent's latency of the gateway call
-− that call's own vLLM time: what the agent waited beyond calling vLLM directly (its HTTP
-hop to the gateway, rendering, splicing, parsing, recording, the reply), with no second
-generation in the figure.
-
-**Checked against a separate direct call.** Every gateway call is also paired with the same
-prompt ids sent to vLLM by this process through the same client (a bench-only control
-route, timed here). ``model_minus_direct`` (the gateway's vLLM time − the pair's) says that
-a call through the gateway costs vLLM what a direct call does; ``paired_overhead`` (the
-agent's latency − the pair's direct time) is the added latency estimated that way, the
-bench's headline before session 11. It carries the difference of two separate generations:
-its p50 ranged from −0.9 to 5.4 ms over session 11's 21 runs of the same gateway code,
-where the in-call figure ranged from 2.3 to 3.2 ms. Which of a pair goes first alternates by
-episode and turn (the second finds the server's prefix cache holding the prompt and its
-engine just busy). For a direct-first pair this process builds the ids the gateway will
-send from a copy of the episode's session with a renderer of its own (none of the gateway's
-caches warmed), and checks afterwards that the gateway sent exactly those ids.
-
-**The floor of any HTTP hop.** After a gateway-first pair's gateway call, the agent calls
-the control route that makes the direct call over HTTP, and times it: ``http_hop`` = that
-latency − the direct call's own time. That route does nothing but call vLLM and answer a
-small JSON, on the same uvicorn and Starlette, so it is what any HTTP server in front of
-vLLM adds on this machine before doing any work of its own.
-
-Figures (``--json``: one JSON object on the last line):
+Figures (``--json``: one JSON object on the last line; definitions in docs/gateway.md, Cost):
 
 - ``gateway_overhead_ms_p50`` / ``_p99``: added latency per call, one episode at a time
-  (goal p50 ≤ 2 ms); ``gateway_http_hop_ms_p50``; ``gateway_paired_overhead_ms_p50`` /
-  ``_p99`` (and ``_gateway_first`` / ``_direct_first``: the p50 of each order's pairs);
-  ``gateway_model_minus_direct_ms_p50``; ``direct_ms_p50`` / ``gateway_ms_p50`` and
-  ``gateway_vs_direct_p50`` (gateway / direct latency);
-- the same with ``_c16``: 16 episodes at once;
-- ``stub_*``: the same with an instant model instead of vLLM (the gateway's own cost on a
-  machine not busy with vLLM), and ``stub_server_cpu_ms_per_call``: CPU time of this process
-  per call then (the gateway plus the bench's control route).
-- ``--agent-direct``: the agent also calls vLLM itself with the very body the gateway's client
-  sent, and reads vLLM's own time of every call from its metrics (the e2e request latency
-  histogram, read before and after the call; a call another request overlapped is left out),
-  so no generation enters the difference: ``gateway_added_over_agent_direct_ms_p50`` /
-  ``_p99`` = (the agent's latency through the gateway − vLLM's time of that call) − (its
-  latency calling vLLM − vLLM's time of that call), with the parts
-  ``gateway_outside_vllm_ms_p50``, ``agent_direct_outside_vllm_ms_p50`` and
-  ``gateway_client_outside_vllm_ms_p50``. Reading the metrics needs a pause before each
-  timed call (``SETTLE_S`` in gateway_agent.py), which leaves the processes colder than in the default run: compare
-  these figures with the in-call figure of the same run only.
-- The client's own CPU per call (which the in-call figure leaves out): bench/client_bench.py.
-- ``call_path_cpu_ms``: CPU time of this process per chat call driven straight into the
-  gateway's ASGI app with the instant model (no sockets, no agent process: the figure least
-  touched by the machine's load), and ``close_cpu_ms_per_episode`` (the deferred
-  re-tokenization checks, run when an episode closes).
-- ``load_avg_1m``: the machine's load average when the run started and ended.
+  (goal p50 ≤ 2 ms): the agent's latency − that call's own vLLM time, timed inside the
+  gateway around the client's ``generate``;
+- ``gateway_http_hop_ms_p50``: a bare HTTP hop in front of vLLM (a bench-only route that
+  only calls vLLM), the floor any HTTP server pays;
+- checks against a separate direct call of the same prompt ids (order alternated):
+  ``gateway_model_minus_direct_ms_p50``, ``gateway_paired_overhead_ms_p50`` / ``_p99``
+  (``_gateway_first`` / ``_direct_first``), ``direct_ms_p50``, ``gateway_vs_direct_p50``;
+- the same with ``_c16``: 16 episodes at once; ``stub_*``: with an instant model instead of
+  vLLM, and ``stub_server_cpu_ms_per_call``;
+- ``--agent-direct``: ``gateway_added_over_agent_direct_ms_p50`` / ``_p99``, the added latency
+  over the agent calling vLLM itself, vLLM's own time of each call taken from its metrics
+  (colder: compare with the in-call figure of the same run only);
+- ``call_path_cpu_ms`` (CPU per call into the ASGI app, no sockets) and
+  ``close_cpu_ms_per_episode``; ``load_avg_1m_*``. ``--profile FILE``: a cProfile of a stub run.
 
-``--profile FILE`` adds a stub run (one episode at a time) under cProfile and writes it.
-
-Measured figures and their history: the Cost section of docs/gateway.md (the README's table
-holds the current ones).
+Measured figures: bench/results/gateway_bench.json. The client's own CPU: bench/client_bench.py.
 
     python bench/gateway_bench.py --json          # starts its own vLLM server (tiny model)
     python bench/gateway_bench.py --stub-only     # the gateway's own cost only

@@ -23,12 +23,9 @@ order of formats rotates every round, so drift of the machine's load spreads ove
 ``--random`` draws token ids and logprobs at random (``make_group``'s regular ids compress
 far better than sampled text does).
 
-Where the IPC encoding's time goes (issue 18, load ~2, one group): ~2.0 ms in all, of which
-~1.5 ms is the store's own records → Arrow conversion (``arrow_io.convert_groups``, paid
-again at commit, which converts the records), ~0.1 ms the ingest check, ~0.4 ms the IPC
-write; the pickle takes ~1.8 ms. With the fsyncs a durable ``put`` is 1.0–1.3× the pickle's;
-lz4 adds 0.3–2 ms and zstd 0.9–3 ms per group for 0.41–0.53× / 0.20–0.43× of the pickle's
-bytes (``store.spool.COMPRESSION`` says why the default is none).
+Where the IPC encoding's time goes (one group): ~2.0 ms, of which ~1.5 ms is the store's own
+records → Arrow conversion, ~0.4 ms the IPC write; ``store.spool.COMPRESSION`` says why the
+default is no compression. Measured figures: bench/results/spool_bench.json.
 """
 
 from __future__ import annotations

@@ -3,61 +3,29 @@
 Run::
 
     .venv/bin/python bench/store_bench.py --json     # 2,000 trajectories × 20 turns × 500 tokens
-    .venv/bin/python bench/store_bench.py --full     # the issue's size: 10,000 trajectories
-    .venv/bin/python bench/store_bench.py --postgres postgresql+psycopg://…/db  # + its bytes
+    .venv/bin/python bench/store_bench.py --full     # 10,000 trajectories
+    .venv/bin/python bench/store_bench.py --postgres local  # also a private PostgreSQL (or a URL)
 
 Figures (one line each; with ``--json`` the last line is one JSON object):
 
 - ingest: trajectories/s and MB/s of ``Store.write_groups`` (Arrow bulk insert, one
   transaction per batch of 2,000 trajectories, as the writer commits) into a DuckDB file,
   against writing the same Arrow tables to Parquet (zstd) with pyarrow in the same run →
-  ``ingest_vs_parquet_ratio`` = Parquet time / store time (1.0 = as fast as Parquet); both
-  times include building the Arrow tables from the records. ``store_file_mb`` and
-  ``parquet_file_mb`` are the bytes each wrote.
+  ``ingest_vs_parquet_ratio`` = Parquet time / store time (1.0 = as fast as Parquet; goal
+  ≥ 0.8); both times include building the Arrow tables from the records.
 - ``store_bytes_vs_parquet``: the DuckDB file's bytes / the bytes of the same data in
   Parquet + zstd with the turns' arrays as list columns (``parquet_lists_file_mb``; goal ≤ 2).
-  With ``--postgres URL`` the same groups are also written to that (empty) database and
+  With ``--postgres`` the same groups are also written to that (empty) database and
   ``postgres_mb`` is the sum of ``pg_total_relation_size`` of its tables.
-- ``batch_fetch_ms_p50``: ``claim_batch`` of 64 groups × 8 trajectories (claim + load).
-- ``read_during_write_ms_p50``: a read-only query (open, count, close) while another thread
-  keeps committing batches.
+- ``batch_fetch_ms_p50``: ``claim_batch`` of 64 groups × 8 trajectories (claim + load; goal
+  ≤ 100 ms).
+- ``read_during_write_ms_p50`` / ``_max``: a read-only query (open, count, close) while
+  another thread keeps committing batches (goal max ≤ 300 ms).
 - ``*_cpu_*``: the same in CPU seconds of this process (all threads), which the machine's
   other load blurs far less than wall time; ``load_avg_1m_start`` / ``_end`` say how loaded
-  it was. One untimed warm-up batch goes through both paths first (a process's first batch
-  pays one-off costs that would land on whichever side ran first).
+  it was. One untimed warm-up batch goes through both paths first.
 
-Where the time goes (issue 17, CPU per 2,000-trajectory batch, details in
-docs/perf-issue17.md): records → Arrow ~0.23 s (shared by both sides), validation ~0.01 s
-(~0.03 s before session 6: it now checks the buffers the conversion builds), the DuckDB
-insert ~0.26 s (the turns table alone 0.18–0.22 s: DuckDB taking in and zstd-ing 120 MB of
-packed arrays) plus commit/detach ~0.04 s, against pyarrow's Parquet + zstd write of
-~0.09 s. A ratio of 0.8 leaves the store side ~0.17 s, and the turns insert alone takes
-about that: out of reach with this layout on DuckDB 2.0. Compressing the arrays ourselves
-was measured in session 6 and not adopted: a zstd frame per turn is 47 MB of token ids per
-batch where the whole file holds 14.2 MB (the data's repeats are across turns), and
-frames of 1,280 turns in a chunk table brought the store side to ~0.22 s (ratio ≈ 0.71)
-while the file grew 30 %. Back to back in session 6 (load 3.6–16): store CPU per default
-batch 0.83–1.20 s before, 0.53–0.72 s after, 4.5–4.6 → 2.5–3.0 s at ``--full``; the ratio
-within noise (``--full`` 0.35 → 0.58 at load 4, 0.66 → 0.67 at load 7–16): much of the
-saving is in the conversion the Parquet side shares. A 64-group claim: ~80 ms CPU (attach 2,
-SQL 11, scan 34, numpy 34, commit + detach 5), ~145 ms before session 5, when every
-transaction created a DuckDB database (~20 ms) and the numpy step made temporary copies.
-PostgreSQL: 178 MB for 2,000 trajectories (24× Parquet): TOAST compresses values one by one.
-
-Session 10 (quiet machine, load 0.6–0.9, alternated with the previous code 13d5d21): the
-writer's tables reached DuckDB as one Arrow record batch each, and DuckDB scans a
-registered table one batch per thread, so the turns insert (and its zstd) ran on one core;
-handed over in row-group batches (8,192 rows, slices) it runs on both: 0.23 → 0.12 s wall,
-CPU unchanged. ``turns`` and ``tool_calls`` lost their DuckDB primary keys and
-``ix_turns_group`` (ART indexes that no query used: an episode lookup in a 10,000-trajectory
-store 6.6 ms p50 with and without): the commit 26 → 8 ms, the file −24 to −28 %. Figures:
-``ingest_vs_parquet_ratio`` default 0.58–0.62 (6 runs) → 0.785–0.895 (7 runs, median 0.83),
-``--full`` 0.59 → 0.84 (the CPU ratio 0.59–0.63 → 0.65–0.73: the gain is wall time, both cores);
-``store_bytes_vs_parquet`` 1.95 → 1.48 (default) and 1.57 → 1.12 (``--full``);
-``batch_fetch_ms_p50`` 56–60 → 50–57 ms; ``read_during_write_ms_max`` 212–259 → 216–259 ms.
-Tried and dropped: converting the next slice of groups while DuckDB inserts the previous
-one (the Arrow scan holds the GIL: CPU = wall, 0.44–0.65 s against 0.33–0.36 s); batches of
-2,048 or 4,096 rows (0.16–0.20 s, the rows of a row group split across threads).
+What limits each figure: docs/benchmarks.md; measured figures: bench/results/store_bench.json.
 """
 
 from __future__ import annotations

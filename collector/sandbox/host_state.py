@@ -59,7 +59,7 @@ from 11.5–57.5 ms (1024) to 11.8–17.0 ms (256), and a busy host process agai
 sandboxes burning both cores got 0.98 of a core instead of 0.43. Between sandboxes nothing
 changes (all weigh the same), and with the host idle they get all the CPU, as before; a
 host running its own busy work (a learner, vLLM on CPU) now gets more of the CPU than the
-agents' commands when the two compete (docs/perf-issue17.md, round 5)."""
+agents' commands when the two compete (docs/sandbox.md, CPU weight)."""
 
 
 def make_cgroup_parent(name: str, uid_base: int | None) -> None:
