@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")])
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 """Markdown links ``[text](target)``."""
-PATH = re.compile(r"`((?:\.\./|docs/|bench/|configs/)[\w./-]+)`")
-"""Paths in code spans that name a file of the repository (``docs/x.md``, ``bench/y.py``) or
-one outside it (``../shared/DESIGN.md``)."""
+PATH = re.compile(r"`((?:\.\./)+[\w./-]*\.[a-z]+|(?:docs|bench|configs)/[\w./-]+)`")
+"""Paths in code spans that name a file of the repository (``docs/x.md``, ``bench/y.py``) or a
+file outside it (``../shared/DESIGN.md``; a bare ``../../etc`` is an example, not a file)."""
 
 
 def _targets(text: str) -> list[str]:
