@@ -263,17 +263,33 @@ def _str(item: Mapping[str, Any], key: str, where: str) -> str:
     return value
 
 
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search", "web_search_preview", "file_search", "code_interpreter",
+        "image_generation", "computer_use_preview", "mcp", "local_shell",
+    }
+)  # fmt: skip
+"""Tools OpenAI's servers run (or a model calls natively): the gateway has none, so they are
+left out of the prompt (logged once) rather than refused: Codex declares ``web_search``."""
+
+
 def chat_tools(tools: Any) -> list[dict[str, Any]]:
-    """Flat Responses function tools as chat tools (what the chat template renders)."""
+    """Flat Responses function tools as chat tools (what the chat template renders); the
+    function tools of a ``namespace`` (Codex groups its sub-agent tools so) are flattened."""
     if not isinstance(tools, list):
         raise _invalid("tools", "tools must be a list")
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not tool.get("name"):
-            kind = tool.get("type") if isinstance(tool, dict) else None
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in HOSTED_TOOLS:
+            note_ignored([f"tools[type={kind}]"], known=())
+            continue
+        if kind == "namespace" and isinstance(tool, dict):
+            out += chat_tools(tool.get("tools") or [])
+            continue
+        if not isinstance(tool, dict) or kind != "function" or not tool.get("name"):
             raise _invalid(f"tools[{i}]", f"tools[{i}]: only function tools with a name are "
-                           f"supported (got type {kind!r}); the gateway has no built-in "
-                           "tools")  # fmt: skip
+                           f"supported (got type {kind!r})")  # fmt: skip
         function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         out.append({"type": "function", "function": function})
     return out
