@@ -175,10 +175,14 @@ def _text(content: Any, where: str) -> str:
 
 def _messages(message: Any, where: str) -> list[dict[str, Any]]:
     """Chat messages of one Messages message (a user message with tool results becomes
-    one tool message per result, then its text as a user message)."""
-    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-        raise api.APIError(400, f"{where}.role: 'user' or 'assistant' is required",
+    one tool message per result, then its text as a user message; a ``system`` message, which
+    Claude Code 2.1 sends after its first user message, stays a system message there)."""
+    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant",
+                                                                     "system"):  # fmt: skip
+        raise api.APIError(400, f"{where}.role: 'user', 'assistant' or 'system' is required",
                            param=f"{where}.role")  # fmt: skip
+    if message["role"] == "system":
+        return [{"role": "system", "content": _text(message.get("content"), f"{where}.content")}]
     content = message.get("content")
     blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(blocks, list):

@@ -254,3 +254,34 @@ def test_an_external_agent_gets_the_anthropic_base_url(tmp_path, monkeypatch):
     env = _agent_env(task, url, gateway, "e1", tmp_path)
     assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9/episodes/e1"
     assert env["ANTHROPIC_API_KEY"] == "sandpiper-e1" == env["OPENAI_API_KEY"]
+
+
+def test_a_system_message_among_the_messages_stays_a_system_message(tiny_tokenizer):
+    """Claude Code 2.1 sends its environment as a ``system`` message after the first user
+    message (``messages.1.role == "system"``); it was refused with a 400 and Claude Code
+    exited having made no call."""
+    env = "# Environment\nPrimary working directory: /tmp/x"
+
+    async def main():
+        async with _episode(tiny_tokenizer, ["hi", "done"]) as (gw, policy, renderer, client):
+            messages: list = [
+                {"role": "user", "content": [{"type": "text", "text": "say hi"}]},
+                {"role": "system", "content": [{"type": "text", "text": env}]},
+            ]
+            m1 = await client.messages.create(model=MODEL, max_tokens=8, system=SYSTEM,
+                                              messages=messages)  # fmt: skip
+            messages += [{"role": "assistant", "content": m1.content[0].text},
+                         {"role": "user", "content": "again"}]  # fmt: skip
+            await client.messages.create(model=MODEL, max_tokens=8, system=SYSTEM,
+                                         messages=messages)  # fmt: skip
+            bad = [{"role": "tool", "content": "x"}]
+            with pytest.raises(anthropic.BadRequestError, match="messages.0.role"):
+                await client.messages.create(model=MODEL, max_tokens=8, messages=bad)
+            session = gw.close_episode("e")
+            await session.settle()
+            return policy, renderer, session
+
+    policy, renderer, session = asyncio.run(main())
+    prompt = renderer.decode(policy.prompts[0])
+    assert prompt.index("say hi") < prompt.index(env)
+    _spliced(policy, session, 1)
