@@ -41,10 +41,18 @@ def check_model(path: str, field: str = "learner.model") -> None:
     """``path`` is a model folder (``config.json`` in it), or a cached Hugging Face repo id."""
     folder = Path(path)
     if folder.is_dir():
-        if not (folder / "config.json").is_file():
+        missing = [
+            what
+            for what, found in (
+                ("config.json", (folder / "config.json").is_file()),
+                ("weights", any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))),
+            )
+            if not found
+        ]
+        if missing:
             raise SetupError(
-                f"{field} = {path!r} is not a model folder (no config.json in it): give the "
-                "folder `sandpiper model import` or `sandpiper model init-tiny` wrote"
+                f"{field} = {path!r} is not a model folder (no {' and no '.join(missing)} in "
+                "it): give the folder `sandpiper model import` or `sandpiper model init-tiny` wrote"
             )
         return
     if folder.exists():

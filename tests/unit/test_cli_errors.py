@@ -44,6 +44,7 @@ def model_dir(tmp_path: Path) -> Path:
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
     return folder
 
 
@@ -61,7 +62,11 @@ def test_a_model_path_that_does_not_exist_or_is_no_model(tmp_path: Path) -> None
     )  # fmt: skip
     _one_line_error(
         _run("learn", "--learner.model", str(tmp_path)),
-        "is not a model folder (no config.json in it)",
+        "is not a model folder (no config.json and no weights in it)",
+    )
+    (tmp_path / "config.json").write_text("{}")
+    _one_line_error(
+        _run("learn", "--learner.model", str(tmp_path)), "is not a model folder (no weights in it)"
     )
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
