@@ -41,7 +41,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from race_setup import (  # noqa: E402  (bench scripts import their siblings)
+    CANONICAL_TOOL_LINE,
     RaceSettings,
+    canonical_tool_template,
     check_fair,
     fairness_rows,
     model_hash,
@@ -58,11 +60,25 @@ SIDES = ("trl", "sandpiper")
 # --- start checkpoint --------------------------------------------------------------------
 
 
-def start_checkpoint(settings: RaceSettings, root: Path, train: Path) -> Path:
-    """The checkpoint both sides start from, made once and kept in ``root/start``."""
+def start_checkpoint(
+    settings: RaceSettings, root: Path, train: Path, given: Path | None = None
+) -> Path:
+    """The checkpoint both sides start from, made once and kept in ``root/start``, with the
+    chat template that renders both sides' tool schemas to the same prompt
+    (:data:`race_setup.CANONICAL_TOOL_LINE`)."""
     start = root / "start"
-    if (start / "config.json").is_file():
-        return start
+    if given is not None and not (start / "config.json").is_file():
+        shutil.copytree(given, start, ignore=shutil.ignore_patterns("train_state"))
+    if not (start / "config.json").is_file():
+        make_start(settings, root, train, start)
+    template = start / "chat_template.jinja"
+    text = template.read_text()
+    if CANONICAL_TOOL_LINE not in text:
+        template.write_text(canonical_tool_template(text))
+    return start
+
+
+def make_start(settings: RaceSettings, root: Path, train: Path, start: Path) -> None:
     if settings.model == "smollm2":
         from sandpiper.demo.run import ensure_model
 
@@ -71,10 +87,9 @@ def start_checkpoint(settings: RaceSettings, root: Path, train: Path) -> Path:
         # SmolLM2's own template has no tools; TRL's environment_factory refuses it. Both
         # sides get the Hermes tool template the tiny model ships (sandpiper/data).
         shutil.copy(REPO / "sandpiper" / "data" / "chat_template.jinja", start)
-        return start
+        return
     checkpoint = sft_warm_start(settings, root, train)
     shutil.copytree(checkpoint, start, ignore=shutil.ignore_patterns("train_state"))
-    return start
 
 
 def sft_warm_start(settings: RaceSettings, root: Path, train: Path) -> str:
@@ -251,19 +266,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suite", choices=("sum", "peer"), default="sum")
     p.add_argument("--only", choices=SIDES, help="rerun one side (the other's results are kept)")
     p.add_argument("--eval-marks", type=int, default=5, help="evaluation points after the start")
+    p.add_argument("--train-tasks", type=int, default=RaceSettings().train_tasks)
+    p.add_argument("--heldout-tasks", type=int, default=RaceSettings().heldout_tasks)
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "race")
     p.add_argument(
         "--out", type=Path, help="race JSON path (default: RUNS/<model>-<suite>/race.json)"
+    )
+    p.add_argument(
+        "--start", type=Path, help="start from this checkpoint (copied) instead of the warm start"
     )
     p.add_argument("--check-only", action="store_true", help="prepare, print both configs, stop")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     return p.parse_args(argv)
 
 
-def build(settings: RaceSettings, root: Path) -> tuple[Any, dict[str, Any], Path, Path, Path]:
+def build(
+    settings: RaceSettings, root: Path, start: Path | None = None
+) -> tuple[Any, dict[str, Any], Path, Path, Path]:
     """Suite, start checkpoint and both configs; prints them side by side; refuses unfair."""
     train, heldout = prepare_suite(settings, root / "tasks")
-    start = start_checkpoint(settings, root, train)
+    start = start_checkpoint(settings, root, train, start)
     sp = sandpiper_config(settings, start=start, tasks=train, runs_dir=root, name="race-sandpiper")
     trl = trl_config(settings, output_dir=root / "trl")
     rows = fairness_rows(sp, trl, sp_task_ids=task_ids(Path(sp.collector.tasks)),
@@ -278,13 +300,14 @@ def build(settings: RaceSettings, root: Path) -> tuple[Any, dict[str, Any], Path
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     settings = RaceSettings(model=args.model, suite=args.suite, minutes=args.minutes,
-                            eval_marks=args.eval_marks)  # fmt: skip
+                            eval_marks=args.eval_marks, train_tasks=args.train_tasks,
+                            heldout_tasks=args.heldout_tasks)  # fmt: skip
     if args.model == "smollm2":
         settings = replace(settings, lr=2e-6, group_size=4, groups_per_step=2,
                            max_tokens_per_turn=96, max_episode_tokens=192)  # fmt: skip
     root = args.runs_dir / f"{args.model}-{args.suite}"
     root.mkdir(parents=True, exist_ok=True)
-    sp_cfg, trl_cfg, start, train, heldout = build(settings, root)
+    sp_cfg, trl_cfg, start, train, heldout = build(settings, root, args.start)
     if args.check_only:
         return {}
     budget_s = settings.minutes * 60

@@ -82,11 +82,46 @@ class RaceSettings:
         return asdict(self)
 
 
+TOOL_LINE = '{{- "\\n" + (tool | tojson) -}}'
+"""How the Hermes tool template (sandpiper/data, the tiny model's) renders one tool schema."""
+
+CANONICAL_TOOL_LINE = (
+    "{%- set fn = tool.function if tool.function is defined else tool -%}"
+    "{%- set params = fn.parameters if fn.parameters is defined else {} -%}"
+    "{%- set props = params.properties if params.properties is defined else {} -%}"
+    '{{- "\\n{\\"type\\": \\"function\\", \\"function\\": {\\"name\\": " + (fn.name | tojson)'
+    ' + ", \\"description\\": " + (fn.description | tojson)'
+    ' + ", \\"parameters\\": {\\"type\\": \\"object\\", \\"properties\\": {" -}}'
+    "{%- for name, prop in props.items() -%}"
+    '{{- (name | tojson) + ": {\\"type\\": " + (prop.type | tojson) + "}"'
+    ' + ("" if loop.last else ", ") -}}'
+    "{%- endfor -%}"
+    '{{- "}, \\"required\\": " + ((params.required if params.required is defined else [])'
+    ' | tojson) + "}}}" -}}'
+)
+"""The same line rendering only what both sides' schemas share: name, description,
+parameter names and types, required list. Sandpiper's ``brief`` schemas render exactly as
+before (so a model warm-started on them sees the same text); a schema TRL derives from a
+Python method (``transformers.utils.get_json_schema``: parameter descriptions, a ``return``
+entry, no empty ``required``) renders to the same bytes. Without it the two sides' prompts
+differ by a few dozen tokens, and a tiny model trained on one garbles its calls on the
+other (measured: TRL's first steps made no parsable tool call)."""
+
+
+def canonical_tool_template(template: str) -> str:
+    """The chat template with :data:`CANONICAL_TOOL_LINE` for its tool line."""
+    if TOOL_LINE not in template:
+        raise ValueError("the chat template has no Hermes tool line to canonicalise")
+    return template.replace(TOOL_LINE, CANONICAL_TOOL_LINE)
+
+
 def model_hash(model_dir: str | Path) -> str:
-    """SHA-256 of the checkpoint's weight files (sorted by name): the start both sides load."""
+    """SHA-256 of the checkpoint's weight files and chat template: the start both sides load."""
     digest = hashlib.sha256()
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
+    files = sorted(Path(model_dir).glob("*.safetensors")) + sorted(
+        Path(model_dir).glob("chat_template.jinja")
+    )
+    if not any(f.suffix == ".safetensors" for f in files):
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     for path in files:
         digest.update(path.name.encode())

@@ -166,20 +166,14 @@ def dataset_rows(config: Any, tasks: list[Any], seed: int) -> list[dict[str, Any
     from sandpiper.collector.parsers import system_prompt_for
 
     cc = config.collector
-    rows = [
-        {
-            "prompt": [
-                {
-                    "role": "system",
-                    "content": t.system_prompt
-                    or system_prompt_for(cc.tool_parser, cc.system_prompt),
-                },
-                {"role": "user", "content": t.instruction},
-            ],
-            "task_id": t.task_id,
-        }  # fmt: skip
-        for t in tasks
-    ]
+    system = system_prompt_for(cc.tool_parser, cc.system_prompt)
+    rows = []
+    for t in tasks:
+        messages = [
+            {"role": "system", "content": t.system_prompt or system},
+            {"role": "user", "content": t.instruction},
+        ]
+        rows.append({"prompt": messages, "task_id": t.task_id})
     random.Random(seed).shuffle(rows)
     return rows
 

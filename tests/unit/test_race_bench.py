@@ -209,3 +209,30 @@ def test_bad_settings_are_refused() -> None:
         setup.RaceSettings(suite="swe")
     with pytest.raises(ValueError, match="group_size"):
         setup.RaceSettings(group_size=1)
+
+
+def test_both_sides_render_the_same_prompt(learner_tiny_model: Path) -> None:
+    """With the race's chat template, Sandpiper's brief tool schemas and the schemas TRL
+    derives from SandboxEnv's methods render to the same bytes, and Sandpiper's render as
+    the shipped template rendered them (a model warm-started on them sees no change)."""
+    from transformers import AutoTokenizer
+
+    from sandpiper.collector.tools import offered_schemas
+
+    repo = BENCH.parent
+    tok = AutoTokenizer.from_pretrained(learner_tiny_model)
+    tok.chat_template = (repo / "sandpiper" / "data" / "chat_template.jinja").read_text()
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    ours = offered_schemas(["execute_bash", "submit"], "brief")
+
+    def render(tools) -> str:
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                       add_generation_prompt=True)  # fmt: skip
+
+    shipped = render(ours)
+    tok.chat_template = setup.canonical_tool_template(tok.chat_template)
+    env = race_trl.SandboxEnv()
+    assert render(ours) == shipped
+    assert render([env.execute_bash, env.submit]) == shipped
+    with pytest.raises(ValueError, match="tool line"):
+        setup.canonical_tool_template("{{ messages }}")
