@@ -275,7 +275,7 @@ def test_a_system_message_among_the_messages_stays_a_system_message(tiny_tokeniz
             await client.messages.create(model=MODEL, max_tokens=8, system=SYSTEM,
                                          messages=messages)  # fmt: skip
             bad = [{"role": "tool", "content": "x"}]
-            with pytest.raises(anthropic.BadRequestError, match="messages.0.role"):
+            with pytest.raises(anthropic.BadRequestError, match=r"messages\.0\.role"):
                 await client.messages.create(model=MODEL, max_tokens=8, messages=bad)
             session = gw.close_episode("e")
             await session.settle()
