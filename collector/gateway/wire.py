@@ -30,12 +30,17 @@ _OPAQUE_PREFIX = "sandpiper.reasoning.v1:"
 
 def split_reasoning(content: str) -> tuple[str, str, str]:
     """(raw reasoning prefix, its visible text, the answer) of an assistant message's text,
-    with ``raw + answer == content``; ("", "", content) when it opens with no ``<think>``.
+    with ``raw + answer == content``; ("", "", content) when it holds no reasoning.
 
-    A reply cut off inside its reasoning (no ``</think>``) is all reasoning."""
-    if not content.lstrip().startswith(THINK_OPEN):
+    Reasoning opens the reply with ``<think>`` or, where the chat template's generation
+    prompt already opened the block (Qwen3, DeepSeek-R1), is all text before a first
+    ``</think>``. A reply cut off inside its ``<think>`` block is all reasoning."""
+    if content.lstrip().startswith(THINK_OPEN):
+        start = content.index(THINK_OPEN) + len(THINK_OPEN)
+    elif THINK_CLOSE in content and THINK_OPEN not in content:
+        start = 0
+    else:
         return "", "", content
-    start = content.index(THINK_OPEN) + len(THINK_OPEN)
     end = content.find(THINK_CLOSE, start)
     if end < 0:
         return content, content[start:].strip(), ""

@@ -282,3 +282,23 @@ def test_codex_tools_hosted_ones_left_out_namespaces_flattened(tiny_tokenizer):
     want = renderer.render([{"role": "user", "content": "go"}], add_generation_prompt=True,
                            tools=FAKE_TOOL_SCHEMAS)  # fmt: skip
     assert renderer.decode(policy.prompts[0]) == want
+
+
+@pytest.mark.parametrize(
+    ("content", "thought", "answer"),
+    [
+        ("<think>\na\n</think>\n\nb", "a", "b"),
+        ("  <think>a</think>b", "a", "b"),
+        ("a\n</think>\n\nb", "a", "b"),  # the template's generation prompt opened the block
+        ("<think>\ncut off", "cut off", ""),
+        ("plain </b>", "", "plain </b>"),
+        ("x <think>y</think>", "", "x <think>y</think>"),  # not at the start: an answer
+    ],
+)
+def test_reasoning_splits_so_that_it_joins_back_exactly(content, thought, answer):
+    from sandpiper.collector.gateway import wire
+
+    raw, got_thought, got_answer = wire.split_reasoning(content)
+    assert (got_thought, got_answer) == (thought, answer)
+    assert raw + got_answer == content
+    assert wire.from_opaque(wire.opaque(raw)) == raw
