@@ -13,6 +13,11 @@ Sources, detected from the data itself (``--format`` forces one):
 Every error names its record by 1-based number (``file:3`` for line 3, ``record 3`` for the
 third element of a JSON array). The output is built in a temporary folder next to ``OUT`` and
 renamed into place only when every record converted: a failed import leaves nothing behind.
+
+One kind of row is not an error: a well-formed LLM-in-Sandbox row whose domain cannot be
+scored here (``instruct_follow``, an unknown domain). It is skipped, the rest is imported,
+and each skipped row is kept whole in ``OUT/skipped.jsonl`` with its record number and the
+reason (:data:`SKIPPED_FILE`); ``strict=True`` (``--strict``) refuses the file instead.
 """
 
 from __future__ import annotations
@@ -48,6 +53,16 @@ from sandpiper.errors import TaskError
 from sandpiper.store.records import Split
 
 FORMATS = ("auto", "jsonl", "folder", "llm_in_sandbox", "trl_daytona")
+SKIPPED_FILE = "skipped.jsonl"
+"""Rows an import skipped, one JSON object per line: ``where``, ``reason``, ``row``."""
+
+
+def skipped_rows(out_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows an import into ``out_dir`` skipped (see :data:`SKIPPED_FILE`)."""
+    path = Path(out_dir) / SKIPPED_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def import_tasks(
@@ -58,11 +73,13 @@ def import_tasks(
     validation_fraction: float = 0.0,
     split_seed: int = 0,
     task_data_dir: str | Path | None = None,
+    strict: bool = False,
 ) -> list[Task]:
     """Normalise ``source`` into ``out_dir``: task folders plus a ``tasks.jsonl`` index
     whose lines carry the split, so the collector sees the same split every run.
     ``task_data_dir`` holds the folders open-instruct rows name (default: the source's
-    folder)."""
+    folder). Rows of a domain that cannot be scored are skipped into ``skipped.jsonl``
+    (:func:`skipped_rows`), or refuse the whole source with ``strict``."""
     source, out = Path(source), Path(out_dir)
     if fmt not in FORMATS:
         raise TaskError(f"unknown task format {fmt!r} ({', '.join(FORMATS)})")
@@ -75,9 +92,14 @@ def import_tasks(
     try:
         if source.is_file():
             data_dir = Path(task_data_dir) if task_data_dir else source.parent
+            skipped: list[dict[str, Any]] = []
             tasks = convert_records(
-                read_records(source), staging, fmt, base=source.parent, task_data_dir=data_dir
-            )
+                read_records(source), staging, fmt, base=source.parent, task_data_dir=data_dir,
+                skipped=None if strict else skipped,
+            )  # fmt: skip
+            if skipped:
+                with (staging / SKIPPED_FILE).open("w") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in skipped)
         else:
             tasks = load_tasks(source)
         check_unique(tasks)
@@ -101,28 +123,50 @@ def convert_records(
     *,
     base: Path,
     task_data_dir: Path | None = None,
+    skipped: list[dict[str, Any]] | None = None,
 ) -> list[Task]:
-    """Convert every record (folder tasks are written under ``out``)."""
+    """Convert every record (folder tasks are written under ``out``). With a ``skipped``
+    list, rows of a domain that cannot be scored are appended to it (``where``, ``reason``,
+    ``row``) instead of refusing the source."""
     tasks = []
     for where, row in records:
-        if "data_dir" in row:
-            task = load_task_folder(base / row["data_dir"])
-        elif open_instruct.is_row(row) and fmt in ("auto", "jsonl"):
-            task = open_instruct.row_task(row, where, task_data_dir or base)
-        elif fmt == "trl_daytona" or (fmt == "auto" and trl_daytona.is_row(row)):
-            task = _trl_task(row, out, where)
-        elif aviato.is_row(row) and fmt in ("auto", "jsonl"):
-            task = _aviato_task(row, out, where)
-        elif llm_in_sandbox.is_row(row) and fmt in ("auto", "llm_in_sandbox"):
-            task = _llm_in_sandbox_task(row, out, where)
-        elif fmt == "llm_in_sandbox":
-            task = _document_qa_task(row, out, where)
-        else:
-            task = task_from_row(row, source="jsonl", where=where)
+        try:
+            task = _convert_one(row, out, fmt, where, base=base, task_data_dir=task_data_dir)
+        except llm_in_sandbox.UnsupportedDomainError as e:
+            if skipped is None:
+                raise
+            skipped.append({"where": where, "reason": str(e), "row": row})
+            continue
         tasks.append(_split_of_row(task, row, where))
     if not tasks:
-        raise TaskError("no tasks found in the source")
+        raise TaskError(
+            "no tasks found in the source"
+            + (f" ({len(skipped)} rows skipped: {skipped[0]['reason']})" if skipped else "")
+        )
     return tasks
+
+
+def _convert_one(
+    row: dict[str, Any], out: Path, fmt: str, where: str, *, base: Path,
+    task_data_dir: Path | None,
+) -> Task:  # fmt: skip
+    """One record as a task, by the first shape it has (see the module docstring)."""
+    if "data_dir" in row:
+        return load_task_folder(base / row["data_dir"])
+    if open_instruct.is_row(row) and fmt in ("auto", "jsonl"):
+        return open_instruct.row_task(row, where, task_data_dir or base)
+    if fmt == "trl_daytona" or (fmt == "auto" and trl_daytona.is_row(row)):
+        return _trl_task(row, out, where)
+    if aviato.is_row(row) and fmt in ("auto", "jsonl"):
+        return _aviato_task(row, out, where)
+    if llm_in_sandbox.is_row(row) and fmt in ("auto", "llm_in_sandbox"):
+        return _llm_in_sandbox_task(row, out, where)
+    if fmt == "llm_in_sandbox" or (
+        fmt in ("auto", "jsonl") and llm_in_sandbox.has_input_files(row)
+    ):
+        # a row with files for the sandbox, whatever its prompt and answer are called
+        return _document_qa_task(row, out, where)
+    return task_from_row(row, source="jsonl", where=where)
 
 
 def _split_of_row(task: Task, row: dict[str, Any], where: str) -> Task:
@@ -194,7 +238,14 @@ def _document_qa_task(row: dict[str, Any], out: Path, where: str) -> Task:
     base = task_from_row(row, source="llm_in_sandbox", where=where)
     folder = _task_folder(out, base.task_id, where)
     (folder / "files" / "input").mkdir(parents=True)
-    for name, text in _context_files(first_of(row, CONTEXT_KEYS), where):
+    files = _context_files(first_of(row, CONTEXT_KEYS), where)
+    # the peer's name for the same thing (a row whose other fields were renamed to ours)
+    files += list(llm_in_sandbox.input_files(row.get("input_files"), where).items())
+    names = [name for name, _ in files]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise TaskError(f"{where}: input file {dup!r} is given twice (context and input_files)")
+    for name, text in files:
         (folder / "files" / "input" / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / "files" / "input" / name).write_text(text)
     (folder / "instruction.md").write_text(_DOCUMENT_QA_INSTRUCTION.format(prompt=base.instruction))

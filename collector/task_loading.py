@@ -89,6 +89,8 @@ def needs_import(row: dict[str, Any]) -> str | None:
         return "LLM-in-Sandbox"
     if trl_daytona.is_row(row):
         return "TRL + Daytona"
+    if llm_in_sandbox.has_input_files(row):  # its files would be dropped, silently
+        return "document (input_files)"
     return None
 
 

@@ -51,6 +51,18 @@ Write your final answer to {answer_file} (or pass it as `answer` to `submit`), t
 """
 
 
+class UnsupportedDomainError(TaskError):
+    """A well-formed row whose domain this project cannot score (``instruct_follow*``, or a
+    domain the peer does not know either). ``sandpiper tasks import`` skips such rows and
+    reports them, unless told to refuse the file (``--strict``)."""
+
+
+def has_input_files(row: dict[str, Any]) -> bool:
+    """Whether a row carries the peer's ``input_files`` (files for the sandbox), whatever
+    its other fields are called: such a row is a task with files, never a bare prompt."""
+    return row.get("input_files") not in (None, "", {})
+
+
 def is_rllm_record(row: dict[str, Any]) -> bool:
     return isinstance(row.get("extra_info"), dict) and "reward_model" in row
 
@@ -86,9 +98,9 @@ def task_fields(row: dict[str, Any], where: str) -> dict[str, Any]:
         raise TaskError(f"{where}: field 'domain' is missing (one of {', '.join(SCORED_DOMAINS)})")
     for refused, why in REFUSED_DOMAINS.items():
         if domain.startswith(refused):
-            raise TaskError(f"{where}: domain {domain!r} is not supported: {why}")
+            raise UnsupportedDomainError(f"{where}: domain {domain!r} is not supported: {why}")
     if not domain.startswith(SCORED_DOMAINS):
-        raise TaskError(
+        raise UnsupportedDomainError(
             f"{where}: unknown domain {domain!r}; supported: {', '.join(SCORED_DOMAINS)}"
         )
     reference: dict[str, Any] = {

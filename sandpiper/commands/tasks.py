@@ -34,6 +34,15 @@ def register(app: typer.Typer) -> None:
                 "(default: the source's folder)."
             ),
         ] = None,
+        strict: Annotated[
+            bool,
+            typer.Option(
+                "--strict",
+                help="Refuse the whole source when an LLM-in-Sandbox row's domain cannot be "
+                "scored (instruct_follow, unknown), instead of skipping those rows into "
+                "OUT/skipped.jsonl.",
+            ),
+        ] = False,
     ) -> None:
         """Write task folders and a ``tasks.jsonl`` index (with each task's split) to OUT.
 
@@ -41,16 +50,26 @@ def register(app: typer.Typer) -> None:
         chat-message prompts), open-instruct task folders and dataset rows (env_config),
         LLM-in-Sandbox-RL rows and the
         rllm JSON array, TRL + Daytona code tasks (see docs/tasks.md). OUT must be new or
-        empty; nothing is written unless every record converts."""
+        empty; nothing is written unless every record converts, except rows of a domain
+        that cannot be scored, which are skipped and listed (``--strict`` refuses them)."""
+        from sandpiper.collector.task_import import SKIPPED_FILE, skipped_rows
         from sandpiper.collector.tasks import import_tasks
 
         with cli_errors():
             tasks = import_tasks(
                 source, out, fmt=fmt, validation_fraction=validation_fraction,
-                split_seed=split_seed, task_data_dir=task_data_dir,
+                split_seed=split_seed, task_data_dir=task_data_dir, strict=strict,
             )  # fmt: skip
         n_val = sum(t.split.value == "validation" for t in tasks)
         typer.echo(f"imported {len(tasks)} tasks into {out} ({n_val} validation)")
+        skipped = skipped_rows(out)
+        if skipped:
+            typer.echo(
+                f"skipped {len(skipped)} rows (kept in {out / SKIPPED_FILE}; --strict refuses "
+                "them):"
+            )
+            for row in skipped:
+                typer.echo(f"  {row['reason'][:200]}")
 
     @tasks_app.command("list", cls=VerboseCommand)
     def list_(

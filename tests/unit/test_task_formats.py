@@ -174,8 +174,9 @@ def test_llm_in_sandbox_answer_file_is_scored_by_domain(tiny_tokenizer, tmp_path
 
 def test_llm_in_sandbox_instruction_following_is_refused_clearly(tmp_path):
     """The peer's instruct_follow rows: ground_truth is IFBench's instruction ids and kwargs
-    as a JSON string. No maintained package reproduces the peer's checker (docs/tasks.md),
-    so the import stops, says why and what to do, and writes nothing."""
+    as a JSON string. No maintained package reproduces the peer's checker (docs/tasks.md):
+    with ``strict`` the import stops, says why and what to do, and writes nothing (by default
+    the row is skipped: tests/unit/test_task_import_skips.py)."""
     truth = {"instruction_id_list": ["count:word_count_range"], "kwargs": [{"min_words": 40, "max_words": 60}]}  # fmt: skip
     row = {
         "id": "if-1", "domain": "instruct_follow", "ground_truth": json.dumps(truth),
@@ -184,7 +185,7 @@ def test_llm_in_sandbox_instruction_following_is_refused_clearly(tmp_path):
     src = tmp_path / "rows.jsonl"
     src.write_text(json.dumps(LIS_ROWS[0]) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(TaskError) as refused:
-        import_tasks(src, tmp_path / "out")
+        import_tasks(src, tmp_path / "out", strict=True)
     message = str(refused.value)
     assert message.startswith(f"{src}:2: domain 'instruct_follow' is not supported")
     assert "IFBench" in message and "Remove these rows" in message
