@@ -16,7 +16,9 @@ recorded, so the next call extends it token for token (see :mod:`.wire` for reas
   ``input``. Responses live as long as their episode.
 - ``tools``: function tools only; ``tool_choice`` ``auto``/``none``/``required``/a named
   function (as the chat route treats them). ``include``: ``reasoning.encrypted_content``
-  (the reasoning's exact text, opaque to the client) is honoured; others are a 400.
+  (the reasoning's exact text, opaque to the client) and ``message.output_text.logprobs``
+  (with ``top_logprobs``: every sampled token's logprob, as vLLM sampled it) are honoured;
+  others are a 400.
 - Streaming sends the whole event sequence after sampling (like the chat route):
   ``response.created``, ``response.in_progress``, per item ``response.output_item.added``,
   its content part or argument events, ``response.output_item.done``, then
@@ -55,9 +57,11 @@ ACCEPTED = frozenset(
 REFUSED = ("conversation", "prompt", "max_tool_calls")
 """Fields the gateway cannot honour (server-side conversations, stored prompts, a cap on
 built-in tool calls): a 400 naming them when present and not null."""
-RENAMED = {"max_completion_tokens": "max_output_tokens", "messages": "input"}
+RENAMED = {"max_completion_tokens": "max_output_tokens", "messages": "input",
+           "logprobs": "include"}  # fmt: skip
 """Chat fields whose errors name the Responses field the client sent."""
-INCLUDES = frozenset({"reasoning.encrypted_content"})
+LOGPROBS = "message.output_text.logprobs"
+INCLUDES = frozenset({"reasoning.encrypted_content", LOGPROBS})
 """``include`` values the gateway honours."""
 _STATE = "responses"
 """Key of this API's state in the session's ``api_state``."""
@@ -130,6 +134,11 @@ def to_chat(body: Mapping[str, Any], state: _State) -> tuple[dict[str, Any], lis
         chat["tool_choice"] = chat_tool_choice(body["tool_choice"])
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
+    if LOGPROBS in (body.get("include") or []):
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.get("top_logprobs")
+    elif body.get("top_logprobs"):
+        raise _invalid("top_logprobs", f"top_logprobs needs include=[{LOGPROBS!r}]")
     for key in PASSED:
         if body.get(key) is not None:
             chat[key] = body[key]
@@ -152,8 +161,6 @@ def _check_options(body: Mapping[str, Any]) -> None:
     if body.get("truncation") not in (None, "disabled"):
         raise _invalid("truncation", "only truncation='disabled' is supported: the gateway "
                        "never drops history (the context limit is an error)")  # fmt: skip
-    if body.get("top_logprobs"):
-        raise _invalid("top_logprobs", "logprobs are served by chat completions only")
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _invalid("text.format", "only text output is supported (no JSON schema "
@@ -324,11 +331,14 @@ def to_response(
         output.append(reasoning)
     calls = message.get("tool_calls") or []
     if answer or not calls:
+        # every sampled token's logprob (reasoning and tool-call text included): what vLLM
+        # sampled, not only the answer's tokens
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
         output.append({
             "type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
             "role": "assistant",
             "content": [{"type": "output_text", "text": answer, "annotations": [],
-                         "logprobs": []}],
+                         "logprobs": logprobs}],
         })  # fmt: skip
     for call in calls:
         output.append({
@@ -395,9 +405,9 @@ def _item_events(n: int, item: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
                    "part": empty}  # fmt: skip
             if part["text"]:
                 yield {"type": "response.output_text.delta", **at, "content_index": k,
-                       "delta": part["text"], "logprobs": []}  # fmt: skip
+                       "delta": part["text"], "logprobs": part["logprobs"]}  # fmt: skip
             yield {"type": "response.output_text.done", **at, "content_index": k,
-                   "text": part["text"], "logprobs": []}  # fmt: skip
+                   "text": part["text"], "logprobs": part["logprobs"]}  # fmt: skip
             yield {"type": "response.content_part.done", **at, "content_index": k,
                    "part": part}  # fmt: skip
     elif item["type"] == "function_call":

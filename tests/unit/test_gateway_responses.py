@@ -302,3 +302,32 @@ def test_reasoning_splits_so_that_it_joins_back_exactly(content, thought, answer
     assert (got_thought, got_answer) == (thought, answer)
     assert raw + got_answer == content
     assert wire.from_opaque(wire.opaque(raw)) == raw
+
+
+def test_logprobs_and_a_cut_off_reply_continued_token_for_token(tiny_tokenizer):
+    """``include`` logprobs returns what was sampled; a reply cut at ``max_output_tokens``
+    is ``incomplete`` and, sent back, extends the episode like any other."""
+
+    async def main():
+        replies = ["one two three four five six", "seven"]
+        async with _episode(tiny_tokenizer, replies) as (gw, policy, _, client):
+            items: list = [{"role": "user", "content": "count"}]
+            r1 = await client.responses.create(
+                model=MODEL, input=items, max_output_tokens=3,
+                include=["message.output_text.logprobs"], top_logprobs=2,
+            )  # fmt: skip
+            items += [o.model_dump(exclude_none=True) for o in r1.output]
+            items.append({"role": "user", "content": "go on"})
+            events = [e async for e in await client.responses.create(
+                model=MODEL, input=items, stream=True)]  # fmt: skip
+            return r1, events, policy, gw.close_episode("e")
+
+    r1, events, policy, session = asyncio.run(main())
+    assert r1.status == "incomplete" and r1.incomplete_details.reason == "max_output_tokens"
+    logprobs = r1.output[0].content[0].logprobs
+    sampled = session.calls[0].generation
+    assert [lp.logprob for lp in logprobs] == pytest.approx(sampled.logprobs_T.tolist())
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    _spliced(policy, session, 1)
