@@ -15,6 +15,11 @@ Routes (``/episodes/<id>/v1`` is the base URL an OpenAI client is given):
 - ``POST /episodes/<id>/v1/chat/completions`` (streaming and not, ``tools``, ``tool_choice``)
 - ``POST /episodes/<id>/v1/completions`` (a text prompt, no chat template)
 - ``GET  /episodes/<id>/v1/models``
+- ``POST /episodes/<id>/v1/responses`` — the OpenAI Responses API
+  (:mod:`~sandpiper.collector.gateway.responses_api`), converted to a chat call
+- ``POST /episodes/<id>/v1/messages`` (and ``/count_tokens``), ``HEAD /episodes/<id>`` — the
+  Anthropic Messages API (:mod:`~sandpiper.collector.gateway.messages_api`), likewise
+- any other method or path: a JSON 404 naming it and the routes served
 - ``POST /episodes/<id>/exec`` — run a command in the episode's sandbox (external agents,
   see :mod:`sandpiper.collector.gateway.external`); 404 unless the episode has a sandbox.
 - ``POST /episodes`` / ``POST /episodes/<id>/close`` — open / close an episode (standalone
