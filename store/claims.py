@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import sqlalchemy as sa
 
-from sandpiper.store import arrow_io, dead, leases, schema
+from sandpiper.store import arrow_io, backends, dead, leases, schema
 from sandpiper.store.records import (
     Fence,
     GroupStatus,
@@ -44,7 +44,7 @@ READY, CLAIMED = GroupStatus.READY.value, GroupStatus.CLAIMED.value
 
 
 def claim(
-    store,
+    conn: sa.Connection,
     *,
     run_id: str,
     learner_id: str,
@@ -56,78 +56,77 @@ def claim(
     """See :meth:`sandpiper.store.Store.claim_batch`; with ``fence``, only the run's leader may claim."""
     gs, g, pol = T.group_states, T.groups, T.policies
     now = utcnow()
-    with store.transaction() as conn:
-        if fence is not None:
-            leases.check(conn, fence, skip_locked=store.backend.skip_locked)
-        current = conn.execute(
-            sa.select(sa.func.max(pol.c.version)).where(pol.c.run_id == run_id)
-        ).scalar()
-        current = 0 if current is None else int(current)
-        stale = sa.select(g.c.group_id).where(
-            g.c.run_id == run_id, g.c.min_policy_version < current - max_lag
-        )
-        dropped = conn.execute(
-            sa.update(gs)
-            .where(gs.c.run_id == run_id, gs.c.status == READY, gs.c.group_id.in_(stale))
-            .values(status=GroupStatus.DROPPED_STALE.value, updated_at=now)
-        ).rowcount
-        eligible = sa.or_(
-            gs.c.status == READY,
-            sa.and_(
-                gs.c.status == CLAIMED,
-                sa.or_(gs.c.lease_expires_at < now, gs.c.claimed_by == learner_id),
-            ),
-        )
-        own_first = sa.case((gs.c.claimed_by == learner_id, 0), else_=1)
-        claim_id = new_claim_id()
-        pick = (
-            sa.select(gs.c.group_id, g.c.task_id, g.c.min_policy_version)
-            .join(g, g.c.group_id == gs.c.group_id)
-            .where(gs.c.run_id == run_id, g.c.split == Split.TRAIN.value, eligible)
-            .where(sa.or_(gs.c.claim_id.is_(None), gs.c.claim_id != claim_id))
-            .order_by(own_first, g.c.committed_at, g.c.group_id)
-        )
-        groups: list[TrainGroup] = []
-        # A group that cannot be read is set aside and the claim picks another in its place
-        # (each round sets at least one aside, so this ends).
-        while (need := n_groups - len(groups)) > 0:
-            q = pick.limit(need)
-            if store.backend.skip_locked:
-                q = q.with_for_update(skip_locked=True, of=gs)
-            picked = conn.execute(q).all()  # with what load_groups needs of the groups
-            if len(picked) < need:
-                if groups:  # give back what this claim took; the next claim picks anew
-                    conn.execute(
-                        sa.update(gs)
-                        .where(gs.c.claim_id == claim_id, gs.c.status == CLAIMED)
-                        .values(status=READY, claim_id=None, claimed_by=None,
-                                lease_expires_at=None, updated_at=now)
-                    )  # fmt: skip
-                return None  # the stale drops above still commit: they must not block backpressure
-            ids = [r.group_id for r in picked]
-            conn.execute(
-                sa.update(gs)
-                .where(gs.c.group_id.in_(ids))
-                .values(
-                    status=CLAIMED,
-                    claim_id=claim_id,
-                    claimed_by=learner_id,
-                    lease_expires_at=lease_deadline(lease_s),
-                    updated_at=now,
-                )
-            )
-            loaded, unreadable = _load_readable(
-                store, conn, ids, current, meta={r.group_id: r for r in picked}
-            )
-            groups.extend(loaded)
-            if unreadable:
-                dead.set_aside_unreadable(conn, unreadable, run_id=run_id, now=now)
-                log.error(
-                    "%d claimed group(s) could not be read and were set aside (status "
-                    "'dead', listed in dead_groups; `sandpiper store retry-dead` gives them "
-                    "back): %s",
-                    len(unreadable), "; ".join(f"{g}: {e}" for g, e in unreadable.items()),
+    if fence is not None:
+        leases.check(conn, fence, skip_locked=backends.is_postgres(conn))
+    current = conn.execute(
+        sa.select(sa.func.max(pol.c.version)).where(pol.c.run_id == run_id)
+    ).scalar()
+    current = 0 if current is None else int(current)
+    stale = sa.select(g.c.group_id).where(
+        g.c.run_id == run_id, g.c.min_policy_version < current - max_lag
+    )
+    dropped = conn.execute(
+        sa.update(gs)
+        .where(gs.c.run_id == run_id, gs.c.status == READY, gs.c.group_id.in_(stale))
+        .values(status=GroupStatus.DROPPED_STALE.value, updated_at=now)
+    ).rowcount
+    eligible = sa.or_(
+        gs.c.status == READY,
+        sa.and_(
+            gs.c.status == CLAIMED,
+            sa.or_(gs.c.lease_expires_at < now, gs.c.claimed_by == learner_id),
+        ),
+    )
+    own_first = sa.case((gs.c.claimed_by == learner_id, 0), else_=1)
+    claim_id = new_claim_id()
+    pick = (
+        sa.select(gs.c.group_id, g.c.task_id, g.c.min_policy_version)
+        .join(g, g.c.group_id == gs.c.group_id)
+        .where(gs.c.run_id == run_id, g.c.split == Split.TRAIN.value, eligible)
+        .where(sa.or_(gs.c.claim_id.is_(None), gs.c.claim_id != claim_id))
+        .order_by(own_first, g.c.committed_at, g.c.group_id)
+    )
+    groups: list[TrainGroup] = []
+    # A group that cannot be read is set aside and the claim picks another in its place
+    # (each round sets at least one aside, so this ends).
+    while (need := n_groups - len(groups)) > 0:
+        q = pick.limit(need)
+        if backends.is_postgres(conn):
+            q = q.with_for_update(skip_locked=True, of=gs)
+        picked = conn.execute(q).all()  # with what load_groups needs of the groups
+        if len(picked) < need:
+            if groups:  # give back what this claim took; the next claim picks anew
+                conn.execute(
+                    sa.update(gs)
+                    .where(gs.c.claim_id == claim_id, gs.c.status == CLAIMED)
+                    .values(status=READY, claim_id=None, claimed_by=None,
+                            lease_expires_at=None, updated_at=now)
                 )  # fmt: skip
+            return None  # the stale drops above still commit: they must not block backpressure
+        ids = [r.group_id for r in picked]
+        conn.execute(
+            sa.update(gs)
+            .where(gs.c.group_id.in_(ids))
+            .values(
+                status=CLAIMED,
+                claim_id=claim_id,
+                claimed_by=learner_id,
+                lease_expires_at=lease_deadline(lease_s),
+                updated_at=now,
+            )
+        )
+        loaded, unreadable = _load_readable(
+            conn, ids, current, meta={r.group_id: r for r in picked}
+        )
+        groups.extend(loaded)
+        if unreadable:
+            dead.set_aside_unreadable(conn, unreadable, run_id=run_id, now=now)
+            log.error(
+                "%d claimed group(s) could not be read and were set aside (status "
+                "'dead', listed in dead_groups; `sandpiper store retry-dead` gives them "
+                "back): %s",
+                len(unreadable), "; ".join(f"{g}: {e}" for g, e in unreadable.items()),
+            )  # fmt: skip
     return TrainBatch(
         claim_id=claim_id, groups=tuple(groups), dropped_stale=int(dropped), current_version=current
     )
@@ -140,27 +139,27 @@ of these and aborts the claim instead."""
 
 
 def _load_readable(
-    store, conn: sa.Connection, ids: list[str], current: int, meta: dict
+    conn: sa.Connection, ids: list[str], current: int, meta: dict
 ) -> tuple[tuple[TrainGroup, ...], dict[str, str]]:
     """:func:`load_groups`, and when that fails, group by group: the readable groups, and
     group_id → error for the others (the claim sets those aside instead of failing on them
     forever)."""
     try:
-        return load_groups(store, conn, ids, current, meta=meta), {}
+        return load_groups(conn, ids, current, meta=meta), {}
     except UNREADABLE:
         pass
     good: list[TrainGroup] = []
     errors: dict[str, str] = {}
     for gid in ids:
         try:
-            good.extend(load_groups(store, conn, [gid], current, meta=meta))
+            good.extend(load_groups(conn, [gid], current, meta=meta))
         except UNREADABLE as e:
             errors[gid] = dead.short_error(e)
     return tuple(good), errors
 
 
 def load_groups(
-    store, conn: sa.Connection, ids: list[str], current: int, meta: dict | None = None
+    conn: sa.Connection, ids: list[str], current: int, meta: dict | None = None
 ) -> tuple[TrainGroup, ...]:
     """The groups ``ids`` (in that order) with their episodes' per-token arrays; ``meta``:
     group_id → a row with ``task_id`` and ``min_policy_version`` when the caller has them."""
@@ -169,7 +168,7 @@ def load_groups(
         q = sa.select(g.c.group_id, g.c.task_id, g.c.min_policy_version)
         meta = {r.group_id: r for r in conn.execute(q.where(g.c.group_id.in_(ids)))}
     by_group: dict[str, list[TrainEpisode]] = {gid: [] for gid in ids}
-    for gid, ep in _episodes(store, conn, group_ids=ids):
+    for gid, ep in _episodes(conn, group_ids=ids):
         by_group[gid].append(ep)
     return tuple(
         TrainGroup(
@@ -185,11 +184,11 @@ def load_groups(
     )
 
 
-def load_episodes(store, conn: sa.Connection, *, episode_ids: list[str]) -> list[TrainEpisode]:
-    return [ep for _, ep in _episodes(store, conn, episode_ids=episode_ids)]
+def load_episodes(conn: sa.Connection, *, episode_ids: list[str]) -> list[TrainEpisode]:
+    return [ep for _, ep in _episodes(conn, episode_ids=episode_ids)]
 
 
-def _episodes(store, conn, *, group_ids=None, episode_ids=None):
+def _episodes(conn: sa.Connection, *, group_ids=None, episode_ids=None):
     """(group_id, TrainEpisode) pairs ordered by group, sample index."""
     e = T.episodes
     key_col, keys = (
@@ -202,8 +201,8 @@ def _episodes(store, conn, *, group_ids=None, episode_ids=None):
         .where(e.c[key_col].in_(keys))
         .order_by(e.c.group_id, e.c.sample_index)
     ).all()
-    where, params = store.backend.in_list(key_col, keys)
-    turns = store.backend.fetch_arrow(
+    where, params = backends.in_list(conn, key_col, keys)
+    turns = backends.fetch_arrow(
         conn,
         f"SELECT {', '.join(arrow_io.TRAIN_TURN_COLUMNS)} FROM turns WHERE {where}",
         params,

@@ -33,7 +33,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from sandpiper.errors import StoreError, TaskError
-from sandpiper.store import schema
+from sandpiper.store import backends, schema
 from sandpiper.store.records import CollectorRecord, SlotLease, Split
 
 log = logging.getLogger(__name__)
@@ -67,23 +67,22 @@ def db_now(conn: sa.Connection) -> datetime:
 
 
 def register(
-    store, *, run_id: str, host: str | None = None, collector_id: str | None = None
+    conn: sa.Connection, *, run_id: str, host: str | None = None, collector_id: str | None = None
 ) -> str:
     """Insert this process's row (started and heartbeat now); returns its collector id."""
     host = host or default_host()
     cid = collector_id or new_collector_id(host)
-    with store.transaction() as conn:
-        now = db_now(conn)
-        conn.execute(
-            sa.insert(T.collectors).values(
-                collector_id=cid, run_id=run_id, host=host, pid=os.getpid(),
-                started_at=now, heartbeat_at=now, stopped_at=None,
-            )
-        )  # fmt: skip
+    now = db_now(conn)
+    conn.execute(
+        sa.insert(T.collectors).values(
+            collector_id=cid, run_id=run_id, host=host, pid=os.getpid(),
+            started_at=now, heartbeat_at=now, stopped_at=None,
+        )
+    )  # fmt: skip
     return cid
 
 
-def heartbeat(store, collector_id: str, *, policy_version: int | None = None) -> bool:
+def heartbeat(conn: sa.Connection, collector_id: str, *, policy_version: int | None = None) -> bool:
     """Renew the heartbeat, and with ``policy_version`` announce the version the collector
     serves or is about to load (None: leave it); False when the store does not know it as
     running (retired)."""
@@ -91,16 +90,15 @@ def heartbeat(store, collector_id: str, *, policy_version: int | None = None) ->
     values: dict = {"heartbeat_at": sa.func.now()}
     if policy_version is not None:
         values["policy_version"] = policy_version
-    with store.transaction() as conn:
-        n = conn.execute(
-            sa.update(c)
-            .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
-            .values(**values)
-        ).rowcount
+    n = conn.execute(
+        sa.update(c)
+        .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
+        .values(**values)
+    ).rowcount
     return n == 1
 
 
-def referenced_versions(store, *, run_id: str, within_s: float) -> set[int]:
+def referenced_versions(conn: sa.Connection, *, run_id: str, within_s: float) -> set[int]:
     """Policy versions announced by collectors of ``run_id`` that have not stopped and whose
     heartbeat is younger than ``within_s`` (store clock): what they serve or are loading."""
     c = T.collectors
@@ -114,42 +112,38 @@ def referenced_versions(store, *, run_id: str, within_s: float) -> set[int]:
         )
         .distinct()
     )
-    with store.connect_readonly() as conn:
-        return {int(v) for v in conn.execute(q).scalars()}
+    return {int(v) for v in conn.execute(q).scalars()}
 
 
-def stop(store, collector_id: str) -> int:
+def stop(conn: sa.Connection, collector_id: str) -> int:
     """Mark the collector stopped and free the slots it still leases; returns how many."""
     c, s = T.collectors, T.task_slots
-    with store.transaction() as conn:
-        now = db_now(conn)
-        conn.execute(
-            sa.update(c)
-            .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
-            .values(stopped_at=now)
-        )
-        return conn.execute(
-            sa.update(s)
-            .where(s.c.collector_id == collector_id, s.c.status == LEASED)
-            .values(status=FREE)
-        ).rowcount
+    now = db_now(conn)
+    conn.execute(
+        sa.update(c)
+        .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
+        .values(stopped_at=now)
+    )
+    return conn.execute(
+        sa.update(s)
+        .where(s.c.collector_id == collector_id, s.c.status == LEASED)
+        .values(status=FREE)
+    ).rowcount
 
 
-def collectors(store, *, run_id: str | None = None) -> list[CollectorRecord]:
+def collectors(conn: sa.Connection, *, run_id: str | None = None) -> list[CollectorRecord]:
     c = T.collectors
     q = sa.select(c).order_by(c.c.started_at, c.c.collector_id)
     if run_id is not None:
         q = q.where(c.c.run_id == run_id)
-    with store.connect_readonly() as conn:
-        return [CollectorRecord(**row._mapping) for row in conn.execute(q)]
+    return [CollectorRecord(**row._mapping) for row in conn.execute(q)]
 
 
-def liveness(store, *, ttl_s: float) -> tuple[datetime, dict[str, bool]]:
+def liveness(conn: sa.Connection, *, ttl_s: float) -> tuple[datetime, dict[str, bool]]:
     """The store's clock and, for every registered collector, whether it is live."""
     c = T.collectors
-    with store.connect_readonly() as conn:
-        now = db_now(conn)
-        rows = conn.execute(sa.select(c.c.collector_id, c.c.heartbeat_at, c.c.stopped_at)).all()
+    now = db_now(conn)
+    rows = conn.execute(sa.select(c.c.collector_id, c.c.heartbeat_at, c.c.stopped_at)).all()
     cutoff = now - timedelta(seconds=ttl_s)
     return now, {r[0]: r[2] is None and _aware(r[1]) >= cutoff for r in rows}
 
@@ -216,7 +210,7 @@ def reap(conn: sa.Connection, *, run_id: str, ttl_s: float, skip_locked: bool) -
 
 
 def claim(
-    store,
+    conn: sa.Connection,
     *,
     run_id: str,
     collector_id: str,
@@ -235,36 +229,33 @@ def claim(
     known = {t for t, _ in tasks}
     leases: list[SlotLease] = []
     c = T.collectors
-    with store.transaction() as conn:
-        # claiming proves the claimer alive: never reap slots issued a moment ago because
-        # the heartbeat loop has not run yet (e.g. a slow start-up after registration)
-        conn.execute(
-            sa.update(c)
-            .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
-            .values(heartbeat_at=sa.func.now())
-        )
-        reap(conn, run_id=run_id, ttl_s=ttl_s, skip_locked=store.backend.skip_locked)
-        for _ in range(n + 8):  # another collector may take the round we add; add another
-            if len(leases) >= n:
-                break
-            got = _take(store, conn, run_id=run_id, collector_id=collector_id, split=split,
-                        only=only, n=n - len(leases))  # fmt: skip
-            if not got:
-                _add_round(store, conn, run_id=run_id, split=split, tasks=tasks, only=only, n=n)
-                continue
-            for task_id, seq, lease, _ in sorted(got, key=lambda r: (r[1], r[3], r[0])):
-                if task_id not in known:
-                    raise TaskError(
-                        f"the store issued a slot of task {task_id!r}, which this collector "
-                        f"does not have: collectors of run {run_id!r} must load the same tasks"
-                    )
-                leases.append(SlotLease(run_id, task_id, int(seq), int(lease), collector_id))
-    if not leases:
-        raise StoreError(f"could not claim a task slot of run {run_id!r} (contention)")
-    return leases
+    # claiming proves the claimer alive: never reap slots issued a moment ago because
+    # the heartbeat loop has not run yet (e.g. a slow start-up after registration)
+    conn.execute(
+        sa.update(c)
+        .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
+        .values(heartbeat_at=sa.func.now())
+    )
+    reap(conn, run_id=run_id, ttl_s=ttl_s, skip_locked=backends.is_postgres(conn))
+    for _ in range(n + 8):  # another collector may take the round we add; add another
+        if len(leases) >= n:
+            break
+        got = _take(conn, run_id=run_id, collector_id=collector_id, split=split,
+                    only=only, n=n - len(leases))  # fmt: skip
+        if not got:
+            _add_round(conn, run_id=run_id, split=split, tasks=tasks, only=only, n=n)
+            continue
+        for task_id, seq, lease, _ in sorted(got, key=lambda r: (r[1], r[3], r[0])):
+            if task_id not in known:
+                raise TaskError(
+                    f"the store issued a slot of task {task_id!r}, which this collector "
+                    f"does not have: collectors of run {run_id!r} must load the same tasks"
+                )
+            leases.append(SlotLease(run_id, task_id, int(seq), int(lease), collector_id))
+    return leases  # empty: contention (the caller raises after the commit)
 
 
-def _take(store, conn, *, run_id: str, collector_id: str, split: Split, only, n: int):
+def _take(conn: sa.Connection, *, run_id: str, collector_id: str, split: Split, only, n: int):
     """Lease up to ``n`` free slots, lowest ``(seq, rank)`` first, in one ``UPDATE …
     RETURNING``; returns their ``(task_id, seq, new lease, rank)``. On PostgreSQL the pick is
     ``FOR UPDATE SKIP LOCKED``: concurrent claimers take disjoint rows and never wait."""
@@ -277,7 +268,7 @@ def _take(store, conn, *, run_id: str, collector_id: str, split: Split, only, n:
     )
     if only is not None:
         pick = pick.where(s.c.task_id.in_(list(only)))
-    if store.backend.skip_locked:
+    if backends.is_postgres(conn):
         pick = pick.with_for_update(skip_locked=True)
     return conn.execute(
         sa.update(s)
@@ -290,7 +281,7 @@ def _take(store, conn, *, run_id: str, collector_id: str, split: Split, only, n:
     ).all()  # fmt: skip
 
 
-def _add_round(store, conn, *, run_id: str, split: Split, tasks, only, n: int) -> None:
+def _add_round(conn: sa.Connection, *, run_id: str, split: Split, tasks, only, n: int) -> None:
     """Insert the next round(s) of slots: ``seq`` = the lowest next seq of the wanted tasks
     (of ``only`` when given) for every task that has not reached it, and further rounds so
     that about ``4 n`` slots are free. Free slots are issued by ``(seq, rank)``, so adding
@@ -314,24 +305,23 @@ def _add_round(store, conn, *, run_id: str, split: Split, tasks, only, n: int) -
         for t, r in wanted
         if next_seq[t] <= seq
     ]  # fmt: skip
-    if store.backend.skip_locked:  # PostgreSQL: collectors may add the same round at once
+    if backends.is_postgres(conn):  # PostgreSQL: collectors may add the same round at once
         conn.execute(postgresql.insert(s).on_conflict_do_nothing(), new)
     else:
         conn.execute(sa.insert(s), new)
 
 
-def release(store, lease: SlotLease) -> bool:
+def release(conn: sa.Connection, lease: SlotLease) -> bool:
     """Give a slot back unfinished (its group was cancelled); False if it was re-issued."""
     s = T.task_slots
-    with store.transaction() as conn:
-        n = conn.execute(
-            sa.update(s)
-            .where(
-                s.c.run_id == lease.run_id, s.c.task_id == lease.task_id, s.c.seq == lease.seq,
-                s.c.lease == lease.lease, s.c.status == LEASED,
-            )
-            .values(status=FREE)
-        ).rowcount  # fmt: skip
+    n = conn.execute(
+        sa.update(s)
+        .where(
+            s.c.run_id == lease.run_id, s.c.task_id == lease.task_id, s.c.seq == lease.seq,
+            s.c.lease == lease.lease, s.c.status == LEASED,
+        )
+        .values(status=FREE)
+    ).rowcount  # fmt: skip
     return n == 1
 
 
@@ -383,12 +373,11 @@ def finish_many(
     return {(r, t_, int(q)) for r, t_, q in rows}
 
 
-def slot_counts(store, run_id: str) -> dict[str, int]:
+def slot_counts(conn: sa.Connection, run_id: str) -> dict[str, int]:
     """Slots of ``run_id`` per status (free, leased, done)."""
     s = T.task_slots
-    with store.connect_readonly() as conn:
-        rows = conn.execute(
-            sa.select(s.c.status, sa.func.count()).where(s.c.run_id == run_id).group_by(s.c.status)
-        ).all()
+    rows = conn.execute(
+        sa.select(s.c.status, sa.func.count()).where(s.c.run_id == run_id).group_by(s.c.status)
+    ).all()
     found = {k: int(n) for k, n in rows}
     return {k: found.get(k, 0) for k in (FREE, LEASED, DONE)}

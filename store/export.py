@@ -8,33 +8,42 @@ Layout (Hive partitions, readable by polars / DuckDB / pyarrow datasets)::
 ``policy_version`` is the group's oldest sampled version (-1 when nothing was sampled).
 Turns are exported with list columns (``token_ids``, ``logprobs``, ``policy_versions``: one
 value per token), not the store's packed layout: the Parquet file is for analysis tools.
-Each partition is read in its own short read-only transaction, so a DuckDB writer is never
-kept out for the whole export.
+Each partition is read in its own short read-only transaction (``read`` opens one), so a
+DuckDB writer is never kept out for the whole export. Text the store keeps escaped (NUL,
+lone surrogates: :mod:`sandpiper.store.text`) is written as people read it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import sqlalchemy as sa
 
-from sandpiper.store import arrow_io, schema
+from sandpiper.store import arrow_io, backends, schema, text
 
 PARTITIONED = ("groups", "episodes", "turns", "tool_calls")
 WHOLE = ("runs", "policies", "tasks", "learner_steps")
 
 
-def export_parquet(store, out_dir: str | Path) -> dict[str, int]:
-    """Write the store under ``out_dir``; returns rows written per table."""
+def export_parquet(
+    read: Callable[[], AbstractContextManager[sa.Connection]], out_dir: str | Path
+) -> dict[str, int]:
+    """Write the store under ``out_dir``; returns rows written per table. ``read`` opens one
+    short read-only connection (``Store.connect_readonly``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, int] = {}
     for name in WHOLE:
-        with store.connect_readonly() as conn:
-            table = store.backend.fetch_arrow(conn, f'SELECT * FROM "{name}"')
+        with read() as conn:
+            table = _readable(backends.fetch_arrow(conn, f'SELECT * FROM "{name}"'))
         pq.write_table(table, out / f"{name}.parquet", compression="zstd")
         rows[name] = table.num_rows
-    with store.connect_readonly() as conn:
+    with read() as conn:
         versions = [
             r[0]
             for r in conn.exec_driver_sql(
@@ -52,8 +61,8 @@ def export_parquet(store, out_dir: str | Path) -> dict[str, int]:
             version = "g.min_policy_version"
         sql = f"SELECT {columns} FROM {source} WHERE coalesce({version}, -1) = ?"
         for v in versions:
-            with store.connect_readonly() as conn:
-                table = store.backend.fetch_arrow(conn, sql, [v])
+            with read() as conn:
+                table = _readable(backends.fetch_arrow(conn, sql, [v]))
             if name == "turns":
                 table = arrow_io.turns_as_lists(table)
             part = out / name / f"policy_version={v}"
@@ -61,3 +70,17 @@ def export_parquet(store, out_dir: str | Path) -> dict[str, int]:
             pq.write_table(table, part / "part-0.parquet", compression="zstd")
             rows[name] += table.num_rows
     return rows
+
+
+def _readable(table: pa.Table) -> pa.Table:
+    """``table`` with escaped text made readable (:func:`sandpiper.store.text.readable`); the
+    usual table, with no escaped value, is returned as it is."""
+    for i, field in enumerate(table.schema):
+        if not pa.types.is_string(field.type) and not pa.types.is_large_string(field.type):
+            continue
+        col = table.column(i)
+        if not pc.any(pc.starts_with(col, text.MARKER)).as_py():
+            continue
+        values = [text.readable(v) for v in col.to_pylist()]
+        table = table.set_column(i, field, pa.array(values, field.type))
+    return table

@@ -19,12 +19,13 @@ both are refused as duplicates.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import datetime
 
 import pyarrow as pa
 import sqlalchemy as sa
 
-from sandpiper.store import arrow_io, collectors, schema
+from sandpiper.store import arrow_io, backends, collectors, schema
 from sandpiper.store.records import GroupRecord, WriteOutcome, WriteReport, utcnow
 
 log = logging.getLogger(__name__)
@@ -73,12 +74,12 @@ def _lease(conn: sa.Connection, g: GroupRecord) -> int | None:
     ).scalar()
 
 
-def _finish_slots(store, conn: sa.Connection, groups: list[GroupRecord], now) -> set[str]:
+def _finish_slots(conn: sa.Connection, groups: list[GroupRecord], now) -> set[str]:
     """Mark the slots of ``groups`` done where they still have the group's lease; returns
     the group ids whose slot was. PostgreSQL: one statement for all (a round trip per group
     was most of a commit's statements); DuckDB: one by one, under the file lock."""
     leased = [(g, g.slot_lease) for g in groups if g.slot_lease is not None]
-    if store.backend.skip_locked:
+    if backends.is_postgres(conn):
         done = collectors.finish_many(
             conn, [(g.run_id, g.task_id, _slot_seq(g), lease) for g, lease in leased], now=now
         )
@@ -109,7 +110,21 @@ def _checked_tables(groups: list[GroupRecord], now: datetime) -> dict[str, pa.Ta
     return arrow_io.groups_to_arrow(checked, now)
 
 
-def write(store, groups: list[GroupRecord]) -> WriteReport:
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A batch made ready for :func:`write` outside the store's transaction (on DuckDB that
+    takes a file lock every reader and the learner's claim wait on)."""
+
+    batch: dict[str, GroupRecord]
+    """group_id -> the group (the first of two with one id and the same episodes)."""
+    refused: dict[str, WriteOutcome]
+    """Groups refused before the store is asked (one id handed in with other episodes)."""
+    tables: dict[str, pa.Table] | None
+    """Arrow rows of the candidates (episodes of unusable sampler output made invalid)."""
+    now: datetime
+
+
+def prepare(groups: list[GroupRecord]) -> Prepared:
     outcomes: dict[str, WriteOutcome] = {}
     batch: dict[str, GroupRecord] = {}
     # (check_group leaves episode ids as they are: the checks below need no validated copy)
@@ -120,48 +135,49 @@ def write(store, groups: list[GroupRecord]) -> WriteReport:
         elif _episode_ids(first) != _episode_ids(g):
             log.error("group %s handed in twice with different episodes", g.group_id)
             outcomes[g.group_id] = WriteOutcome.DUPLICATE  # refused below too
+    now = utcnow()
+    candidates = [g for gid, g in batch.items() if gid not in outcomes]
+    tables = _checked_tables(candidates, now) if candidates else None
+    return Prepared(batch, outcomes, tables, now)
+
+
+def write(conn: sa.Connection, prepared: Prepared) -> WriteReport:
+    """Store the groups of ``prepared`` in the caller's transaction (module docstring)."""
+    batch, now, all_tables = prepared.batch, prepared.now, prepared.tables
+    outcomes = dict(prepared.refused)
     if not batch:
         return WriteReport({})
-    now = utcnow()
-    # Arrow conversion before taking the store (on DuckDB a file lock that every reader and
-    # the learner's claim wait on); the groups found stored or superseded inside are
-    # filtered out of these tables, which in the usual case is none of them.
-    candidates = [g for gid, g in batch.items() if gid not in outcomes]
-    # episodes with unusable sampler output are stored invalid (store.validation)
-    all_tables = _checked_tables(candidates, now) if candidates else None
-    with store.transaction() as conn:
-        stored = _stored_episodes(conn, list(batch))
-        pending: list[GroupRecord] = []
-        # slots are finished in key order, so two writers never lock the same rows crosswise
-        for gid, g in sorted(batch.items(), key=lambda kv: (kv[1].task_id, kv[0])):
-            if gid in outcomes:
-                continue
-            if gid in stored:
-                if stored[gid] == _episode_ids(g):
-                    outcomes[gid] = WriteOutcome.REPLAYED
-                elif g.slot_lease is not None and _lease(conn, g) != g.slot_lease:
-                    outcomes[gid] = WriteOutcome.SUPERSEDED  # the slot's next holder stored it
-                else:
-                    outcomes[gid] = WriteOutcome.DUPLICATE
+    stored = _stored_episodes(conn, list(batch))
+    pending: list[GroupRecord] = []
+    # slots are finished in key order, so two writers never lock the same rows crosswise
+    for gid, g in sorted(batch.items(), key=lambda kv: (kv[1].task_id, kv[0])):
+        if gid in outcomes:
+            continue
+        if gid in stored:
+            if stored[gid] == _episode_ids(g):
+                outcomes[gid] = WriteOutcome.REPLAYED
+            elif g.slot_lease is not None and _lease(conn, g) != g.slot_lease:
+                outcomes[gid] = WriteOutcome.SUPERSEDED  # the slot's next holder stored it
             else:
-                pending.append(g)
-        finished = _finish_slots(store, conn, [g for g in pending if g.slot_lease is not None],
-                                 now)  # fmt: skip
-        fresh: list[GroupRecord] = []
-        for g in pending:
-            if g.slot_lease is not None and g.group_id not in finished:
-                outcomes[g.group_id] = WriteOutcome.SUPERSEDED
-            else:
-                fresh.append(g)
-        if fresh:
-            assert all_tables is not None
-            tables = arrow_io.only_groups(all_tables, [g.group_id for g in fresh])
-            new = set(store.backend.insert_new(conn, tables).to_pylist())
-            for g in fresh:
-                # a concurrent writer may have stored the same id in between (PostgreSQL)
-                outcomes[g.group_id] = (
-                    WriteOutcome.STORED if g.group_id in new else WriteOutcome.DUPLICATE
-                )
+                outcomes[gid] = WriteOutcome.DUPLICATE
+        else:
+            pending.append(g)
+    finished = _finish_slots(conn, [g for g in pending if g.slot_lease is not None], now)
+    fresh: list[GroupRecord] = []
+    for g in pending:
+        if g.slot_lease is not None and g.group_id not in finished:
+            outcomes[g.group_id] = WriteOutcome.SUPERSEDED
+        else:
+            fresh.append(g)
+    if fresh:
+        assert all_tables is not None
+        tables = arrow_io.only_groups(all_tables, [g.group_id for g in fresh])
+        new = set(backends.insert_new(conn, tables).to_pylist())
+        for g in fresh:
+            # a concurrent writer may have stored the same id in between (PostgreSQL)
+            outcomes[g.group_id] = (
+                WriteOutcome.STORED if g.group_id in new else WriteOutcome.DUPLICATE
+            )
     for gid, outcome in outcomes.items():
         if outcome in (WriteOutcome.DUPLICATE, WriteOutcome.SUPERSEDED):
             log.error("group %s refused by the store: %s", gid, outcome)

@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 
 from sandpiper.errors import NotLeaderError
+from sandpiper.store import backends
 from sandpiper.store import schema as T
 from sandpiper.store.records import Fence, GroupStatus, LeaseRecord
 
@@ -43,74 +44,70 @@ def _record(row, held: bool) -> LeaseRecord:
     return LeaseRecord(row.run_id, row.learner_id, int(row.term), row.expires_at, held)
 
 
-def acquire(store, *, run_id: str, learner_id: str, lease_s: float) -> LeaseRecord:
+def acquire(conn: sa.Connection, *, run_id: str, learner_id: str, lease_s: float) -> LeaseRecord:
     """Take (or keep) the lease of ``run_id``; ``held`` says whether the caller has it."""
     ll, gs = T.learner_leases, T.group_states
-    pg = store.backend.skip_locked
-    with store.transaction() as conn:
-        now = store_now(conn)
-        expires = now + timedelta(seconds=lease_s)
+    pg = backends.is_postgres(conn)
+    now = store_now(conn)
+    expires = now + timedelta(seconds=lease_s)
+    row = _row(conn, run_id, lock="update", skip_locked=pg)
+    if row is None:
+        values = dict(
+            run_id=run_id, learner_id=learner_id, term=1, expires_at=expires, acquired_at=now
+        )
+        if pg:  # two first learners at once: one insert wins, the other reads its row
+            from sqlalchemy.dialects.postgresql import insert
+
+            conn.execute(insert(ll).values(**values).on_conflict_do_nothing())
+        else:
+            conn.execute(sa.insert(ll).values(**values))
         row = _row(conn, run_id, lock="update", skip_locked=pg)
-        if row is None:
-            values = dict(
-                run_id=run_id, learner_id=learner_id, term=1, expires_at=expires, acquired_at=now
-            )
-            if pg:  # two first learners at once: one insert wins, the other reads its row
-                from sqlalchemy.dialects.postgresql import insert
-
-                conn.execute(insert(ll).values(**values).on_conflict_do_nothing())
-            else:
-                conn.execute(sa.insert(ll).values(**values))
-            row = _row(conn, run_id, lock="update", skip_locked=pg)
-            return _record(row, row.learner_id == learner_id)
-        if row.learner_id == learner_id:  # ours already: a renewal
-            conn.execute(sa.update(ll).where(ll.c.run_id == run_id).values(expires_at=expires))
-            return LeaseRecord(run_id, learner_id, int(row.term), expires, True)
-        if row.expires_at > now:
-            return _record(row, False)
-        term = int(row.term) + 1
-        conn.execute(
-            sa.update(ll)
-            .where(ll.c.run_id == run_id, ll.c.term == row.term)
-            .values(learner_id=learner_id, term=term, expires_at=expires, acquired_at=now)
-        )
-        # The deposed leader's claims: back to READY, to be claimed again by the new leader.
-        conn.execute(
-            sa.update(gs)
-            .where(gs.c.run_id == run_id, gs.c.status == CLAIMED)
-            .values(status=READY, claimed_by=None, lease_expires_at=None, updated_at=now)
-        )
-        return LeaseRecord(run_id, learner_id, term, expires, True)
+        return _record(row, row.learner_id == learner_id)
+    if row.learner_id == learner_id:  # ours already: a renewal
+        conn.execute(sa.update(ll).where(ll.c.run_id == run_id).values(expires_at=expires))
+        return LeaseRecord(run_id, learner_id, int(row.term), expires, True)
+    if row.expires_at > now:
+        return _record(row, False)
+    term = int(row.term) + 1
+    conn.execute(
+        sa.update(ll)
+        .where(ll.c.run_id == run_id, ll.c.term == row.term)
+        .values(learner_id=learner_id, term=term, expires_at=expires, acquired_at=now)
+    )
+    # The deposed leader's claims: back to READY, to be claimed again by the new leader.
+    conn.execute(
+        sa.update(gs)
+        .where(gs.c.run_id == run_id, gs.c.status == CLAIMED)
+        .values(status=READY, claimed_by=None, lease_expires_at=None, updated_at=now)
+    )
+    return LeaseRecord(run_id, learner_id, term, expires, True)
 
 
-def renew(store, fence: Fence, *, lease_s: float) -> LeaseRecord:
+def renew(conn: sa.Connection, fence: Fence, *, lease_s: float) -> LeaseRecord:
     """Extend the lease; raises :class:`NotLeaderError` if another learner took it."""
     ll = T.learner_leases
-    with store.transaction() as conn:
-        check(conn, fence, skip_locked=store.backend.skip_locked, lock="update")
-        expires = store_now(conn) + timedelta(seconds=lease_s)
-        conn.execute(sa.update(ll).where(ll.c.run_id == fence.run_id).values(expires_at=expires))
+    check(conn, fence, skip_locked=backends.is_postgres(conn), lock="update")
+    expires = store_now(conn) + timedelta(seconds=lease_s)
+    conn.execute(sa.update(ll).where(ll.c.run_id == fence.run_id).values(expires_at=expires))
     return LeaseRecord(fence.run_id, fence.learner_id, fence.term, expires, True)
 
 
-def release(store, fence: Fence) -> None:
+def release(conn: sa.Connection, fence: Fence) -> None:
     """Let the lease lapse now (a clean stop), so a standby takes over at once."""
     ll = T.learner_leases
-    with store.transaction() as conn:
-        conn.execute(
-            sa.update(ll)
-            .where(
-                ll.c.run_id == fence.run_id,
-                ll.c.learner_id == fence.learner_id,
-                ll.c.term == fence.term,
-            )
-            .values(expires_at=store_now(conn))
+    conn.execute(
+        sa.update(ll)
+        .where(
+            ll.c.run_id == fence.run_id,
+            ll.c.learner_id == fence.learner_id,
+            ll.c.term == fence.term,
         )
+        .values(expires_at=store_now(conn))
+    )
 
 
-def current(store, run_id: str) -> LeaseRecord | None:
-    with store.connect_readonly() as conn:
-        row = _row(conn, run_id, lock=None, skip_locked=False)
+def current(conn: sa.Connection, run_id: str) -> LeaseRecord | None:
+    row = _row(conn, run_id, lock=None, skip_locked=False)
     return None if row is None else _record(row, False)
 
 

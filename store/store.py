@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from sandpiper.errors import DuplicateGroupError, PolicyConflictError, StoreError
-from sandpiper.store import leases, migrations, schema
+from sandpiper.store import backends, leases, migrations, schema
 from sandpiper.store.backends import DuckDBBackend, make_backend
 from sandpiper.store.claims import claim, load_episodes
 from sandpiper.store.records import (
@@ -58,7 +59,7 @@ class Store:
 
     @property
     def is_duckdb(self) -> bool:
-        return not self.backend.skip_locked
+        return isinstance(self.backend, DuckDBBackend)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -183,7 +184,7 @@ class Store:
         pol = T.policies
         with self.transaction() as conn:
             if fence is not None:
-                leases.check(conn, fence, skip_locked=self.backend.skip_locked)
+                leases.check(conn, fence, skip_locked=backends.is_postgres(conn))
             latest = conn.execute(
                 sa.select(sa.func.max(pol.c.version)).where(pol.c.run_id == policy.run_id)
             ).scalar()
@@ -267,16 +268,20 @@ class Store:
 
     def acquire_lease(self, *, run_id: str, learner_id: str, lease_s: float) -> LeaseRecord:
         """Take or renew the run's learner lease; ``.held`` says whether the caller has it."""
-        return leases.acquire(self, run_id=run_id, learner_id=learner_id, lease_s=lease_s)
+        with self.transaction() as conn:
+            return leases.acquire(conn, run_id=run_id, learner_id=learner_id, lease_s=lease_s)
 
     def renew_lease(self, fence: Fence, *, lease_s: float) -> LeaseRecord:
-        return leases.renew(self, fence, lease_s=lease_s)
+        with self.transaction() as conn:
+            return leases.renew(conn, fence, lease_s=lease_s)
 
     def release_lease(self, fence: Fence) -> None:
-        leases.release(self, fence)
+        with self.transaction() as conn:
+            leases.release(conn, fence)
 
     def current_lease(self, run_id: str) -> LeaseRecord | None:
-        return leases.current(self, run_id)
+        with self.connect_readonly() as conn:
+            return leases.current(conn, run_id)
 
     # ---- writing groups ------------------------------------------------------------------
 
@@ -326,9 +331,11 @@ class Store:
 
     def write_groups_report(self, groups: list[GroupRecord]) -> WriteReport:
         """Commit whole groups in one transaction (Arrow bulk insert): see ``store.ingest``."""
-        from sandpiper.store.ingest import write
+        from sandpiper.store import ingest
 
-        return write(self, groups)
+        prepared = ingest.prepare(groups)  # Arrow conversion before taking the store
+        with self.transaction() as conn:
+            return ingest.write(conn, prepared)
 
     # ---- dead letters (store/dead.py): no group may stop the others ------------------------
 
@@ -365,6 +372,13 @@ class Store:
                 now=utcnow(), spool=spool, collector_id=collector_id,
             )  # fmt: skip
 
+    def export_parquet(self, out_dir: str | Path) -> dict[str, int]:
+        """Write the store as Parquet under ``out_dir`` (see ``store/export.py``); returns
+        rows written per table."""
+        from sandpiper.store.export import export_parquet
+
+        return export_parquet(self.connect_readonly, out_dir)
+
     def dead_groups(self, run_id: str | None = None) -> list[Any]:
         """The dead letters (oldest first), as :class:`~sandpiper.store.dead.DeadGroup`."""
         from sandpiper.store import dead
@@ -379,7 +393,6 @@ class Store:
         spool bytes, a learner's group is made READY again. Returns group_id → outcome
         (``stored``, ``replayed``, ``ready``, or ``failed: <error>`` — still listed)."""
         from sandpiper.store import dead, spool
-        from sandpiper.store.ingest import write
 
         wanted = [
             d for d in self.dead_groups(run_id) if group_ids is None or d.group_id in group_ids
@@ -396,7 +409,7 @@ class Store:
                     data = dead.spool_of(conn, d.group_id)
                 if data is None:
                     raise StoreError("no spool bytes were kept for it")
-                outcome = write(self, [spool.decode(data)]).outcomes[d.group_id]
+                outcome = self.write_groups_report([spool.decode(data)]).outcomes[d.group_id]
                 if outcome not in (WriteOutcome.STORED, WriteOutcome.REPLAYED):
                     raise StoreError(f"refused by the store: {outcome}")
                 with self.transaction() as conn:
@@ -417,38 +430,44 @@ class Store:
         """Register this process as a collector of ``run_id``; returns its unique id."""
         from sandpiper.store import collectors
 
-        return collectors.register(self, run_id=run_id, host=host, collector_id=collector_id)
+        with self.transaction() as conn:
+            return collectors.register(conn, run_id=run_id, host=host, collector_id=collector_id)
 
     def heartbeat_collector(self, collector_id: str, *, policy_version: int | None = None) -> bool:
         """Renew its heartbeat (and announce the policy version it serves or is about to
         load); False if the store holds it as stopped (or does not know it)."""
         from sandpiper.store import collectors
 
-        return collectors.heartbeat(self, collector_id, policy_version=policy_version)
+        with self.transaction() as conn:
+            return collectors.heartbeat(conn, collector_id, policy_version=policy_version)
 
     def collector_policy_versions(self, *, run_id: str, within_s: float) -> set[int]:
         """Versions that collectors of ``run_id`` with a heartbeat younger than ``within_s``
         serve or are loading (checkpoint retention keeps them)."""
         from sandpiper.store import collectors
 
-        return collectors.referenced_versions(self, run_id=run_id, within_s=within_s)
+        with self.connect_readonly() as conn:
+            return collectors.referenced_versions(conn, run_id=run_id, within_s=within_s)
 
     def stop_collector(self, collector_id: str) -> int:
         """Mark it stopped and free its leased slots at once; returns the slots freed."""
         from sandpiper.store import collectors
 
-        return collectors.stop(self, collector_id)
+        with self.transaction() as conn:
+            return collectors.stop(conn, collector_id)
 
     def collectors(self, run_id: str | None = None) -> list[CollectorRecord]:
         from sandpiper.store import collectors
 
-        return collectors.collectors(self, run_id=run_id)
+        with self.connect_readonly() as conn:
+            return collectors.collectors(conn, run_id=run_id)
 
     def collector_liveness(self, *, ttl_s: float) -> dict[str, bool]:
         """Every registered collector id -> live (heartbeat younger than ``ttl_s``, running)."""
         from sandpiper.store import collectors
 
-        return collectors.liveness(self, ttl_s=ttl_s)[1]
+        with self.connect_readonly() as conn:
+            return collectors.liveness(conn, ttl_s=ttl_s)[1]
 
     def claim_slots(
         self,
@@ -464,10 +483,14 @@ class Store:
         """The next ``n`` task slots for this collector (``tasks``: its ``(task_id, rank)``)."""
         from sandpiper.store import collectors
 
-        return collectors.claim(
-            self, run_id=run_id, collector_id=collector_id, tasks=tasks, split=split,
-            only=only, ttl_s=ttl_s, n=n,
-        )  # fmt: skip
+        with self.transaction() as conn:
+            leases = collectors.claim(
+                conn, run_id=run_id, collector_id=collector_id, tasks=tasks, split=split,
+                only=only, ttl_s=ttl_s, n=n,
+            )  # fmt: skip
+        if not leases:  # after the commit: the heartbeat, reaping and new rounds stay
+            raise StoreError(f"could not claim a task slot of run {run_id!r} (contention)")
+        return leases
 
     def claim_slot(self, **kwargs: Any) -> SlotLease:
         """:meth:`claim_slots` with ``n=1``."""
@@ -477,12 +500,14 @@ class Store:
         """Hand an unfinished slot back for re-issue; False if it was already re-issued."""
         from sandpiper.store import collectors
 
-        return collectors.release(self, lease)
+        with self.transaction() as conn:
+            return collectors.release(conn, lease)
 
     def slot_counts(self, run_id: str) -> dict[str, int]:
         from sandpiper.store import collectors
 
-        return collectors.slot_counts(self, run_id)
+        with self.connect_readonly() as conn:
+            return collectors.slot_counts(conn, run_id)
 
     # ---- learner ---------------------------------------------------------------------------
 
@@ -496,18 +521,20 @@ class Store:
         lease_s: float = 600.0,
         fence: Fence | None = None,
     ) -> TrainBatch | None:
-        """Claim the ``n_groups`` oldest fresh READY groups, or None if fewer are available."""
-        return claim(
-            self, run_id=run_id, learner_id=learner_id, n_groups=n_groups, max_lag=max_lag,
-            lease_s=lease_s, fence=fence,
-        )  # fmt: skip
+        """Claim the ``n_groups`` oldest fresh READY groups, or None if fewer are available
+        (stale groups are dropped, and unreadable ones set aside, even then)."""
+        with self.transaction() as conn:
+            return claim(
+                conn, run_id=run_id, learner_id=learner_id, n_groups=n_groups, max_lag=max_lag,
+                lease_s=lease_s, fence=fence,
+            )  # fmt: skip
 
     def release_claim(self, claim_id: str, *, fence: Fence | None = None) -> None:
         """Give a claim's groups back (READY) without training on them."""
         gs = T.group_states
         with self.transaction() as conn:
             if fence is not None:
-                leases.check(conn, fence, skip_locked=self.backend.skip_locked)
+                leases.check(conn, fence, skip_locked=backends.is_postgres(conn))
             conn.execute(
                 sa.update(gs)
                 .where(gs.c.claim_id == claim_id, gs.c.status == GroupStatus.CLAIMED.value)
@@ -548,7 +575,7 @@ class Store:
             q = q.limit(limit)
         with self.connect_readonly() as conn:
             ids = list(conn.execute(q).scalars())
-            by_id = {ep.episode_id: ep for ep in load_episodes(self, conn, episode_ids=ids)}
+            by_id = {ep.episode_id: ep for ep in load_episodes(conn, episode_ids=ids)}
         return [by_id[i] for i in ids]
 
     def episode_ids(self, run_id: str) -> list[str]:

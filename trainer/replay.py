@@ -377,7 +377,7 @@ def replay_run(
             result.skipped.append({"step": b.step, "reason": reason})
             continue
         with store.connect_readonly() as conn:
-            groups = load_groups(store, conn, list(b.group_ids), b.from_version)
+            groups = load_groups(conn, list(b.group_ids), b.from_version)
         assert b.checkpoint_uri is not None  # a missing checkpoint was skipped above
         model = load_model(b.checkpoint_uri)
         rows = replay_step(model, groups, b.from_version, variants,

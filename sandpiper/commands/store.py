@@ -67,9 +67,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Export every table to Parquet, partitioned by policy version."""
         with cli_errors():
-            from sandpiper.store.export import export_parquet
-
-            rows = export_parquet(_open(ctx, config, url), parquet)
+            rows = _open(ctx, config, url).export_parquet(parquet)
             typer.echo(json.dumps(rows))
 
     @command(store_app, "dead")

@@ -87,7 +87,7 @@ def test_mini_swe_agent_collects_and_the_learner_trains(vllm_server, sandbox_ima
         episodes = conn.execute(
             sa.text("SELECT episode_id, valid, stop_reason, reward, reward_breakdown FROM episodes")
         ).all()
-        trained = load_episodes(store, conn, episode_ids=[e.episode_id for e in episodes])
+        trained = load_episodes(conn, episode_ids=[e.episode_id for e in episodes])
     assert len(episodes) == 2
     for e in episodes:
         assert e.valid, e

@@ -171,7 +171,7 @@ def _v1_episodes(url: str) -> list:
             .scalars()
             .all()
         )
-        return load_episodes(store, conn, episode_ids=list(ids))
+        return load_episodes(conn, episode_ids=list(ids))
 
 
 def _learner_kl(checkpoint: str, episodes: list) -> tuple[float, int]:

@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from sandpiper.errors import SchemaVersionError
-from sandpiper.store import Store, arrow_io, migrations, schema
+from sandpiper.store import Store, arrow_io, backends, migrations, schema
 from sandpiper.store.backends import fetch_arrow, insert_arrow
 from sandpiper.testing import make_group
 from tests.integration.test_store_backends import _fresh_pg_db
@@ -209,7 +209,7 @@ def test_migration_6_drops_the_duckdb_turn_keys_and_keeps_every_row(store_url, t
         migrations._write_version(conn, 5)
         conn.execute(sa.insert(schema.runs).values(run_id="run", config_json="{}",
                                                    code_version="v5", created_at=datetime.now(UTC)))  # fmt: skip
-        store.backend.insert_new(conn, arrow_io.groups_to_arrow(groups, datetime.now(UTC)))
+        backends.insert_new(conn, arrow_io.groups_to_arrow(groups, datetime.now(UTC)))
     turns_sql = "SELECT * FROM turns ORDER BY episode_id, turn_index"
     calls_sql = "SELECT * FROM tool_calls ORDER BY episode_id, turn_index, call_index"
     before = _rows(store, turns_sql), _rows(store, calls_sql)
@@ -219,7 +219,7 @@ def test_migration_6_drops_the_duckdb_turn_keys_and_keeps_every_row(store_url, t
     store = Store(store_url, lock_timeout_s=10)
     with pytest.raises(SchemaVersionError, match="store migrate"):
         store.group_counts("run")
-    assert store.migrate() == [6]
+    assert store.migrate() == [6, 7]
     assert (_rows(store, turns_sql), _rows(store, calls_sql)) == before
     with store.connect_readonly() as conn:
         if conn.dialect.name == "duckdb":
