@@ -153,8 +153,6 @@ def _run_subject(sv, command: str, workdir: str, req: dict) -> dict:
         "WORKSPACE": workdir,
         "SUBJECT_OUT": SUBJECT_OUT,
     }
-    if not req.get("python_safe_path", True):
-        del env["PYTHONSAFEPATH"]  # the task's tests import the agent's modules by design  # fmt: skip
     header, out, err, _ = sv.spawn(
         ["bash", "-c", command], env=env, cwd=workdir, timeout_s=float(req["timeout_s"]),
         cap=int(req["cap"]), uid=agent,

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sandpiper.collector.sandbox.base import ExecOutcome
+from sandpiper.collector.sandbox.containers import EXPIRES_LABEL, PURPOSE_LABEL
 from sandpiper.collector.sandbox.podman import PodmanSandbox, run_podman
 from sandpiper.collector.sandbox.uids import UidSlots
 from sandpiper.config import SandboxConfig
@@ -38,6 +39,11 @@ from sandpiper.errors import SandboxError, SandboxLimitsNotEnforced
 
 log = logging.getLogger(__name__)
 CACHE_DIR = Path.home() / ".cache" / "sandpiper"
+CHECK_DEADLINE_S = 600.0
+"""A check run stops after this long (all checks take 10-20 s); its container is labelled to
+expire then, so the janitor removes it if the check was killed (``janitor.judge``)."""
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""The project's folder on the host, which no sandbox may see."""
 
 
 @dataclass(frozen=True)
@@ -217,6 +223,15 @@ async def _supervisor_untouchable(box: PodmanSandbox, config: SandboxConfig) -> 
     )
 
 
+async def _host_paths_hidden(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
+    """No mount in the sandbox names the project's folder on the host (the supervisor and
+    grader are mounted from copies: ``podman.mounted_files``)."""
+    r = await box.exec("cat /proc/self/mountinfo", timeout_s=10)
+    leaked = str(CHECKOUT) in r.stdout
+    detail = f"{CHECKOUT} visible in /proc/self/mountinfo" if leaked else "no host checkout path"
+    return CheckResult("host_paths_hidden", r.ok and not leaked, detail)
+
+
 async def _grading_isolation(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
     from sandpiper.collector.sandbox.base import GradeRequest
 
@@ -341,6 +356,7 @@ CHECKS: list[Check] = [
     _cpu,
     _uid_separation,
     _supervisor_untouchable,
+    _host_paths_hidden,
     _socket_unreachable,
     _launcher_sealed,
     _grading_isolation,
@@ -351,21 +367,24 @@ CHECKS: list[Check] = [
 
 
 async def run_checks(config: SandboxConfig) -> list[CheckResult]:
-    """Start one sandbox and run every check in it (about 10–20 s)."""
+    """Start one sandbox and run every check in it (about 10–20 s; at most
+    :data:`CHECK_DEADLINE_S`, the expiry its container is labelled with)."""
     slots = UidSlots.for_host(config)
     slot = slots.acquire()
-    box = await PodmanSandbox.create(
-        config, labels={"sandpiper.purpose": "check"}, uid_base=slots.base(slot)
-    )
+    labels = {PURPOSE_LABEL: "check", EXPIRES_LABEL: str(int(time.time() + CHECK_DEADLINE_S))}
+    box = await PodmanSandbox.create(config, labels=labels, uid_base=slots.base(slot))
     results = []
     try:
-        for check in CHECKS:
-            try:
-                results.append(await check(box, config))
-            except (SandboxError, OSError, ValueError) as e:
-                results.append(CheckResult(check.__name__.lstrip("_"), False, f"error: {e}"))
-            if not box.alive:
-                break
+        async with asyncio.timeout(CHECK_DEADLINE_S - 30):  # the container's removal after
+            for check in CHECKS:
+                try:
+                    results.append(await check(box, config))
+                except (SandboxError, OSError, ValueError) as e:
+                    results.append(CheckResult(check.__name__.lstrip("_"), False, f"error: {e}"))
+                if not box.alive:
+                    break
+    except TimeoutError:
+        results.append(CheckResult("deadline", False, f"checks ran past {CHECK_DEADLINE_S} s"))
     finally:
         await box.close()
         slots.release(slot)

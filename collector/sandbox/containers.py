@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 
 COLLECTOR_LABEL = "sandpiper.collector"
 STORE_LABEL = "sandpiper.store"
+PURPOSE_LABEL = "sandpiper.purpose"
+"""``check``: a container of ``sandpiper sandbox check`` (no collector owns it)."""
+EXPIRES_LABEL = "sandpiper.expires"
+"""Unix time after which a check container is an orphan: its check is over by then, done
+or killed (the check bounds itself by that time)."""
 REGISTRY_DIR = Path(tempfile.gettempdir()) / "sandpiper-sandboxes"
 """Host-side ``<container>.json`` files: which episode and task each container serves."""
 

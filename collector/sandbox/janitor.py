@@ -11,7 +11,10 @@ are reused):
 - its collector is registered in this store: removed once that collector is not live
   (stopped, or its heartbeat older than ``collector.heartbeat_ttl_s`` by the store's clock);
 - its collector is unknown to this store (a pool outside a collector, a store that was wiped,
-  a label of an older version): removed only when the container is older than ``grace_s``.
+  a label of an older version): removed only when the container is older than ``grace_s``;
+- a container of ``sandpiper sandbox check`` (``sandpiper.purpose=check``): kept until the
+  time its ``sandpiper.expires`` label names (the check bounds itself by it), then removed:
+  a check killed mid-run leaves its container for minutes, not for ``grace_s``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from enum import StrEnum
 
 from sandpiper.collector.sandbox.containers import (  # noqa: F401 (re-exported: the janitor's API)
     COLLECTOR_LABEL,
+    EXPIRES_LABEL,
+    PURPOSE_LABEL,
     STORE_LABEL,
     ContainerInfo,
     list_containers,
@@ -48,10 +53,14 @@ class Verdict(StrEnum):
     """Collector unknown to this store, container older than the grace period: removed."""
     OTHER_STORE = "other store"
     """Labelled with another store: kept."""
+    CHECK_RUNNING = "sandbox check"
+    """A ``sandpiper sandbox check`` container before its expiry: kept."""
+    CHECK_EXPIRED = "sandbox check, expired"
+    """A ``sandpiper sandbox check`` container past its expiry (the check was killed): removed."""
 
     @property
     def orphan(self) -> bool:
-        return self in (Verdict.DEAD, Verdict.UNKNOWN_OLD)
+        return self in (Verdict.DEAD, Verdict.UNKNOWN_OLD, Verdict.CHECK_EXPIRED)
 
 
 def judge(
@@ -63,12 +72,19 @@ def judge(
     now_s: float | None = None,
 ) -> Verdict:
     """The janitor's decision for one container (see the module docstring)."""
+    now = time.time() if now_s is None else now_s
+    if container.labels.get(PURPOSE_LABEL) == "check" and COLLECTOR_LABEL not in container.labels:
+        try:
+            expires = float(container.labels.get(EXPIRES_LABEL, ""))
+        except ValueError:  # an older version's check container: by its age
+            expires = container.created_s + grace_s
+        return Verdict.CHECK_EXPIRED if now > expires else Verdict.CHECK_RUNNING
     label_store = container.labels.get(STORE_LABEL)
     if label_store is not None and label_store != store_id:
         return Verdict.OTHER_STORE
     if container.collector in live:
         return Verdict.LIVE if live[container.collector] else Verdict.DEAD
-    age_s = (time.time() if now_s is None else now_s) - container.created_s
+    age_s = now - container.created_s
     return Verdict.UNKNOWN_OLD if container.created_s and age_s > grace_s else Verdict.UNKNOWN_YOUNG
 
 

@@ -50,6 +50,8 @@ SUPERVISOR_HOST_PATH = Path(__file__).with_name("_supervisor.py")
 SUPERVISOR = "/.sandpiper/supervisor.py"
 GRADER_HOST_PATH = Path(__file__).with_name("_grader.py")
 GRADER = "/.sandpiper/grader.py"
+MOUNTED_FILES_ROOT = Path.home() / ".cache" / "sandpiper" / "sandbox-files"
+"""Where :func:`mounted_files` keeps the copies that are bind-mounted into sandboxes."""
 SUPERVISOR_CAPS = "CHOWN,DAC_OVERRIDE,FOWNER,KILL,SETUID,SETGID,SETPCAP"
 """Held by the supervisor (container root, an unprivileged host uid) only: it runs the
 agent's commands as an unprivileged uid with none of them (see ``_supervisor.py``)."""
@@ -136,6 +138,40 @@ async def sweep_stale_host_state() -> int:
     return host_state.sweep(known, min_age_s=2 * START_TIMEOUT_S)
 
 
+def mounted_files() -> dict[str, Path]:
+    """Host paths of the supervisor and grader to bind-mount, by their path in the sandbox.
+
+    Copies of the checkout's files in ``<MOUNTED_FILES_ROOT>/<content hash>/``, not the
+    checkout's own: a bind mount's source path is visible inside the container
+    (``/proc/self/mountinfo``), and the checkout's path tells the agent where the project
+    lives on the host and who runs it. The folder is named by the files' content, so
+    collectors of different versions on one host never share a copy; it is made 0700 (only
+    this user can change what every sandbox runs as root), written by temp file and rename,
+    and checked on every call (a copy that differs is replaced)."""
+    import hashlib
+
+    sources = {SUPERVISOR: SUPERVISOR_HOST_PATH, GRADER: GRADER_HOST_PATH}
+    blobs = {inside: src.read_bytes() for inside, src in sources.items()}
+    digest = hashlib.sha256(b"".join(blobs[k] for k in sorted(blobs))).hexdigest()[:16]
+    folder = MOUNTED_FILES_ROOT / digest
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    paths = {}
+    for inside, data in blobs.items():
+        path = folder / Path(inside).name
+        try:
+            same = path.read_bytes() == data
+        except OSError:
+            same = False
+        if not same:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        paths[inside] = path
+    return paths
+
+
 def container_argv(
     config: SandboxConfig, *, name: str, labels: Mapping[str, str], uid_base: int | None
 ) -> list[str]:
@@ -181,10 +217,11 @@ def container_argv(
         f"--pids-limit={config.pids_limit}",
         "--volume",
         f"{os.path.abspath(config.catatonit_path)}:{CATATONIT}:ro",  # podman runs elsewhere
-        "--volume",
-        f"{SUPERVISOR_HOST_PATH}:{SUPERVISOR}:ro",
-        "--volume",
-        f"{GRADER_HOST_PATH}:{GRADER}:ro",
+        *[
+            arg
+            for inside, host in mounted_files().items()
+            for arg in ("--volume", f"{host}:{inside}:ro")
+        ],
         "--volume",  # the shell's socket (see _supervisor.listen)
         f"{host_state.socket_dir(name)}:{SOCKET_DIR}:rw",
         "--entrypoint",
