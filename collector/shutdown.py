@@ -130,7 +130,7 @@ def close_writer(writer: Any) -> None:
     spool lock goes with the process."""
     left = writer.pending()
     if left:
-        log.info("leaving %d uncommitted groups in %s", left, writer.spool)
+        log.debug("leaving %d uncommitted groups in %s", left, writer.spool)  # said once
         return
     writer.close()
 
