@@ -22,6 +22,7 @@ wall-clock evaluation mark (``checkpoints/step-N``, the time it was taken in the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -39,7 +40,8 @@ ENDED = "Error: the episode has ended (submit was called)."
 class SandboxRuntime:
     """An event loop on a thread owning Sandpiper's sandbox pool; sync calls into it."""
 
-    def __init__(self, config: Any, pool_size: int) -> None:
+    def __init__(self, config: Any, pool_size: int, pool: Any = None) -> None:
+        """``pool``: the collector's ``ImagePools`` by default (a fake in unit tests)."""
         from sandpiper.collector.agent import default_toolbox_factory
         from sandpiper.collector.sandbox.images import ImagePools
 
@@ -47,9 +49,11 @@ class SandboxRuntime:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        sandbox = config.sandbox.model_copy(update={"pool_size": pool_size})
-        self.pool = ImagePools(sandbox, labels={"sandpiper.run": config.name})
-        self.run(self.pool.start())
+        if pool is None:
+            sandbox = config.sandbox.model_copy(update={"pool_size": pool_size})
+            pool = ImagePools(sandbox, labels={"sandpiper.run": config.name})
+            self.run(pool.start())
+        self.pool = pool
         cc = config.collector
         self.make_toolbox = default_toolbox_factory(
             exec_timeout_s=config.sandbox.exec_timeout_s,
@@ -79,13 +83,20 @@ class SandboxEnv:
         self._reward: float | None = None
         self._done = False
         self._started = (None, 0.0)
+        self._ready: Any = None
+        """The task preparing this episode's sandbox (on the runtime's loop)."""
 
     def reset(self, **row: Any) -> None:
-        self._close()
-        self._task, self._reward, self._done = TASKS[row["task_id"]], None, False
+        """Start preparing the row's sandbox in the background and return at once: TRL
+        resets every rollout of a batch one after another before generating, so the
+        batch's sandboxes get ready together while the first turn is generated."""
         from sandpiper.store.records import utcnow
 
+        self._close()
+        self._task, self._reward, self._done = TASKS[row["task_id"]], None, False
         self._started = (utcnow(), time.perf_counter())
+        assert RUNTIME is not None
+        self._ready = RUNTIME.run(self._spawn_prepare())
 
     def execute_bash(self, command: str) -> str:
         """Run a bash command in the sandbox and return its output (stdout, then stderr).
@@ -117,17 +128,22 @@ class SandboxEnv:
             self._finish(answer=result.answer, test_reward=result.test_reward, submitted=True)
         return str(result.output)
 
-    async def _acall(self, name: str, arguments: dict[str, Any]) -> Any:
+    async def _spawn_prepare(self) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self._prepare())
+
+    async def _prepare(self) -> None:
         from sandpiper.collector.agent import prepare_sandbox
 
         assert RUNTIME is not None
-        if self._sandbox is None:
-            task = self._task
-            self._sandbox = await RUNTIME.pool.acquire(
-                episode_id=uuid.uuid4().hex, task_id=task.task_id, image=task.image
-            )
-            await prepare_sandbox(self._sandbox, task)
-            self._toolbox = RUNTIME.make_toolbox(self._sandbox, task)
+        task = self._task
+        self._sandbox = await RUNTIME.pool.acquire(
+            episode_id=uuid.uuid4().hex, task_id=task.task_id, image=task.image
+        )
+        await prepare_sandbox(self._sandbox, task)
+        self._toolbox = RUNTIME.make_toolbox(self._sandbox, task)
+
+    async def _acall(self, name: str, arguments: dict[str, Any]) -> Any:
+        await self._ready  # raises what preparing raised: the call fails, as TRL reports it
         return await self._toolbox.call(name, arguments)
 
     def _finish(self, *, answer: str | None, test_reward: float | None, submitted: bool) -> None:
@@ -141,7 +157,11 @@ class SandboxEnv:
         from sandpiper.collector.scoring import score_answer
         from sandpiper.store.records import StopReason
 
-        if self._sandbox is None:  # no tool call: nothing in the sandbox to read
+        try:
+            await self._ready
+        except Exception:
+            return None  # no sandbox for this episode: invalid, as in Sandpiper's collector
+        if self._sandbox is None:  # defensive: nothing in the sandbox to read
             outcome = await score_answer(self._task.reference, answer=None, test_reward=None,
                                          test_details={}, model_text="")  # fmt: skip
             return outcome.reward
@@ -154,9 +174,16 @@ class SandboxEnv:
         return record.reward if record.valid else None
 
     def _close(self) -> None:
-        if self._sandbox is not None and RUNTIME is not None:
+        if self._ready is not None and RUNTIME is not None:
+            RUNTIME.run(self._release())
+
+    async def _release(self) -> None:
+        ready, self._ready = self._ready, None
+        with contextlib.suppress(Exception):  # a failed preparation: nothing to give back
+            await ready
+        if self._sandbox is not None:
             box, self._sandbox, self._toolbox = self._sandbox, None, None
-            RUNTIME.run(RUNTIME.pool.release(box))
+            await RUNTIME.pool.release(box)  # type: ignore[union-attr]
 
 
 def dataset_rows(config: Any, tasks: list[Any], seed: int) -> list[dict[str, Any]]:

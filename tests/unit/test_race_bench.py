@@ -236,3 +236,56 @@ def test_both_sides_render_the_same_prompt(learner_tiny_model: Path) -> None:
     assert render([env.execute_bash, env.submit]) == shipped
     with pytest.raises(ValueError, match="tool line"):
         setup.canonical_tool_template("{{ messages }}")
+
+
+class _FakePool:
+    """Hands out FakeSandboxes (a temp folder each); counts what is held."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.acquired = 0
+
+    async def acquire(self, *, episode_id: str, task_id: str, image: str | None = None):
+        from sandpiper.testing.sandbox import FakeSandbox
+
+        box = FakeSandbox()
+        self.held.add(id(box))
+        self.acquired += 1
+        return box
+
+    async def release(self, sandbox, *, broken: bool = False) -> None:
+        self.held.remove(id(sandbox))
+
+    async def close(self) -> None:
+        pass
+
+
+def test_sandbox_env_runs_the_task_with_sandpipers_toolbox_and_reward(suite) -> None:
+    """TRL's view of an episode: reset, tool calls, get_reward; the sandbox is prepared with
+    the task's files, given back after the reward, and the reward is the task's."""
+    from sandpiper.collector.tasks import load_tasks
+    from sandpiper.demo.tasks import COMPUTE_COMMAND
+
+    _, train, _, _, sp, _ = suite
+    pool = _FakePool()
+    runtime = race_trl.SandboxRuntime(sp, pool_size=1, pool=pool)
+    race_trl.RUNTIME = runtime
+    race_trl.TASKS.update({t.task_id: t for t in load_tasks(train)})
+    try:
+        task_id = setup.task_ids(train)[0]
+        solved, guessed, silent = (
+            race_trl.SandboxEnv(),
+            race_trl.SandboxEnv(),
+            race_trl.SandboxEnv(),
+        )
+        for env in (solved, guessed, silent):
+            env.reset(task_id=task_id, prompt=[])
+        solved.execute_bash(COMPUTE_COMMAND)
+        solved.submit()
+        assert solved.execute_bash("ls") == race_trl.ENDED  # the episode ended at submit
+        guessed.execute_bash("echo 42 > answer.txt")
+        assert (solved.get_reward(), guessed.get_reward(), silent.get_reward()) == (1.0, 0.0, 0.0)
+        assert pool.acquired == 3 and not pool.held
+    finally:
+        runtime.close()
+        race_trl.RUNTIME = None
