@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -36,9 +36,6 @@ from sandpiper.collector.gateway import openai_api as api
 from sandpiper.collector.gateway import wire
 from sandpiper.collector.gateway.request_params import log_request, note_ignored
 from sandpiper.collector.gateway.session import template_message
-
-if TYPE_CHECKING:
-    from sandpiper.collector.gateway.server import Gateway
 
 ACCEPTED = frozenset(
     {
@@ -56,7 +53,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 429: "rate_limit_error"}  # fmt: skip
 
 
-def routes(gateway: Gateway) -> list[Route]:
+def routes(gateway: wire.ChatPath) -> list[Route]:
     async def create(request: Request) -> Response:
         return await handle(gateway, request)
 
@@ -79,7 +76,7 @@ def routes(gateway: Gateway) -> list[Route]:
     ]
 
 
-async def handle(gateway: Gateway, request: Request) -> Response:
+async def handle(gateway: wire.ChatPath, request: Request) -> Response:
     eid = request.path_params["eid"]
     try:
         body = api.parse_body(await request.body())
@@ -98,7 +95,7 @@ async def handle(gateway: Gateway, request: Request) -> Response:
     return Response(api.encode_json(message), media_type="application/json")
 
 
-async def count_tokens(gateway: Gateway, request: Request) -> Response:
+async def count_tokens(gateway: wire.ChatPath, request: Request) -> Response:
     """The prompt's length as the chat template renders it from scratch (no call made)."""
     eid = request.path_params["eid"]
     try:

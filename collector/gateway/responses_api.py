@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -39,9 +39,6 @@ from starlette.routing import Route
 from sandpiper.collector.gateway import openai_api as api
 from sandpiper.collector.gateway import wire
 from sandpiper.collector.gateway.request_params import log_request, note_ignored
-
-if TYPE_CHECKING:
-    from sandpiper.collector.gateway.server import Gateway
 
 PASSED = ("temperature", "top_p", "parallel_tool_calls")
 """Request fields passed to the chat path as they are (it honours or refuses them)."""
@@ -67,7 +64,7 @@ _STATE = "responses"
 """Key of this API's state in the session's ``api_state``."""
 
 
-def routes(gateway: Gateway) -> list[Route]:
+def routes(gateway: wire.ChatPath) -> list[Route]:
     async def create(request: Request) -> Response:
         return await handle(gateway, request)
 
@@ -84,7 +81,7 @@ class _State:
         """Reasoning item id → the exact reasoning prefix of its message."""
 
 
-async def handle(gateway: Gateway, request: Request) -> Response:
+async def handle(gateway: wire.ChatPath, request: Request) -> Response:
     eid = request.path_params["eid"]
     try:
         body = api.parse_body(await request.body())

@@ -19,9 +19,28 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from sandpiper.collector.gateway.openai_api import APIError
+from sandpiper.collector.gateway.session import EpisodeSession
+from sandpiper.collector.render import ChatRenderer
+
+
+class ChatPath(Protocol):
+    """What an API module needs of the gateway (:class:`~.server.Gateway`): the module is
+    imported by the server, so it names this shape rather than the class."""
+
+    renderer: ChatRenderer
+
+    @property
+    def settings(self) -> Any: ...
+
+    def session(self, eid: str) -> EpisodeSession: ...
+
+    async def call(
+        self, eid: str, body: dict[str, Any], *, chat: bool = True
+    ) -> dict[str, Any]: ...
+
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _OPAQUE_PREFIX = "sandpiper.reasoning.v1:"
