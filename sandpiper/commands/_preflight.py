@@ -26,7 +26,6 @@ REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 folder ``org`` exists and the Hugging Face cache holds it (nothing is downloaded here)."""
 
 RUN_IDENTITY = (
-    ("learner", "algo"),
     ("collector", "tasks"),
     ("collector", "group_size"),
     ("collector", "tools"),
@@ -34,7 +33,8 @@ RUN_IDENTITY = (
 )
 """Settings a run keeps for life: a restart with another value would mix two experiments
 under one name. (Other settings may change on a restart: the learner rate, the pool size,
-the servers, ... and ``learner.model``, which a resumed run no longer reads.)"""
+the servers, ``learner.model`` (which a resumed run no longer reads), and ``learner.algo``:
+an SFT warm start followed by GRPO is one run.)"""
 
 
 def check_model(path: str, field: str = "learner.model") -> None:
