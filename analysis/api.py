@@ -218,7 +218,7 @@ def _with_token_versions(turns: pl.DataFrame) -> pl.DataFrame:
     turn (one version per token; None where the logprobs are None: nothing was sampled)."""
     import polars as pl
 
-    from sandpiper.store.arrow_io import expand_versions
+    from sandpiper.store.packed import expand_versions
 
     versions = [
         None if lp is None else expand_versions(v, ch, n).tolist()

@@ -131,7 +131,7 @@ shown as lists of numbers: people and DataFrames want the values, not the storag
 
 
 def _unpacked(name: str, values: list) -> list:
-    from sandpiper.store.arrow_io import unpack_one
+    from sandpiper.store.packed import unpack_one
 
     dtype = PACKED_COLUMNS.get(name)
     if dtype is None or not any(isinstance(v, bytes | memoryview) for v in values):

@@ -158,7 +158,7 @@ def _cards(f: dict[str, pl.DataFrame]) -> list[tuple[str, str]]:
         ("learner steps", str(f["importance_weights"].height)),
         ("zero-variance groups", "—" if zero_share is None else f"{zero_share:.0%}"),
         # loud: groups the store or the learner could not take (`sandpiper store dead`)
-        ("DEAD groups (set aside)", str(f["dead_groups"].height)),
+        ("DEAD groups (set aside)", str(f["dead_groups"].height if "dead_groups" in f else 0)),
     ]
 
 

@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sandpiper.store import Store, arrow_io
+from sandpiper.store import Store, to_arrow, train_arrays
 from sandpiper.store.backends import DuckDBBackend
 from sandpiper.store.records import PolicyRecord, RunRecord
 from sandpiper.testing import make_group
@@ -82,7 +82,7 @@ def warm_up(work: Path, n_turns: int, tokens: int) -> None:
     groups = next(_batches(BATCH_EPISODES, n_turns, tokens, "warm"))
     store.write_groups(groups)
     store.close()
-    for name, table in arrow_io.groups_to_arrow(groups, datetime.now(UTC)).items():
+    for name, table in to_arrow.groups_to_arrow(groups, datetime.now(UTC)).items():
         pq.write_table(table, scratch / f"{name}.parquet", compression="zstd")
     shutil.rmtree(scratch)
 
@@ -96,7 +96,7 @@ def bench_ingest(store: Store, out_dir: Path, n_traj: int, n_turns: int, tokens:
         store_s += time.perf_counter() - t0
         store_cpu += time.process_time() - c0
         t0, c0 = time.perf_counter(), time.process_time()
-        tables = arrow_io.groups_to_arrow(groups, datetime.now(UTC))
+        tables = to_arrow.groups_to_arrow(groups, datetime.now(UTC))
         for name, table in tables.items():
             pq.write_table(table, out_dir / f"{name}-{k:04d}.parquet", compression="zstd")
         parquet_s += time.perf_counter() - t0
@@ -104,7 +104,7 @@ def bench_ingest(store: Store, out_dir: Path, n_traj: int, n_turns: int, tokens:
         # The size baseline: the same turns with list columns (one value per token), the
         # layout an analyst would write; Parquet compresses it better than packed bytes
         # (measured: 7.3 vs 13.5 MB at --scale 0.2), so it is the stricter denominator.
-        lists = arrow_io.turns_as_lists(tables["turns"])
+        lists = train_arrays.turns_as_lists(tables["turns"])
         pq.write_table(lists, out_dir / "lists" / f"turns-{k:04d}.parquet", compression="zstd")
         n_bytes += sum(t.nbytes for t in tables.values())
         n_done += sum(len(g.episodes) for g in groups)

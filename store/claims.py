@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import sqlalchemy as sa
 
-from sandpiper.store import arrow_io, backends, dead, leases, schema
+from sandpiper.store import backends, dead, leases, schema, train_arrays
 from sandpiper.store.records import (
     Fence,
     GroupStatus,
@@ -204,11 +204,11 @@ def _episodes(conn: sa.Connection, *, group_ids=None, episode_ids=None):
     where, params = backends.in_list(conn, key_col, keys)
     turns = backends.fetch_arrow(
         conn,
-        f"SELECT {', '.join(arrow_io.TRAIN_TURN_COLUMNS)} FROM turns WHERE {where}",
+        f"SELECT {', '.join(train_arrays.TRAIN_TURN_COLUMNS)} FROM turns WHERE {where}",
         params,
     )
     meta = {r.episode_id: (r.reward, bool(r.valid)) for r in rows}
-    built = {ep.episode_id: ep for ep in arrow_io.train_episodes(turns, meta)}
+    built = {ep.episode_id: ep for ep in train_arrays.train_episodes(turns, meta)}
     return [(r.group_id, built.get(r.episode_id) or _empty(r.episode_id, meta)) for r in rows]
 
 

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import sqlalchemy as sa
 
-from sandpiper.store import arrow_io, backends, schema, text
+from sandpiper.store import backends, schema, text, train_arrays
 
 PARTITIONED = ("groups", "episodes", "turns", "tool_calls")
 WHOLE = ("runs", "policies", "tasks", "learner_steps")
@@ -64,7 +64,7 @@ def export_parquet(
             with read() as conn:
                 table = _readable(backends.fetch_arrow(conn, sql, [v]))
             if name == "turns":
-                table = arrow_io.turns_as_lists(table)
+                table = train_arrays.turns_as_lists(table)
             part = out / name / f"policy_version={v}"
             part.mkdir(parents=True, exist_ok=True)
             pq.write_table(table, part / "part-0.parquet", compression="zstd")

@@ -25,7 +25,7 @@ from datetime import datetime
 import pyarrow as pa
 import sqlalchemy as sa
 
-from sandpiper.store import arrow_io, backends, collectors, schema
+from sandpiper.store import backends, collectors, schema, to_arrow
 from sandpiper.store.records import GroupRecord, WriteOutcome, WriteReport, utcnow
 
 log = logging.getLogger(__name__)
@@ -101,13 +101,13 @@ def _checked_tables(groups: list[GroupRecord], now: datetime) -> dict[str, pa.Ta
     changed anything."""
     from sandpiper.store.validation import check_group
 
-    tables, sound = arrow_io.convert_groups(groups, now)
+    tables, sound = to_arrow.convert_groups(groups, now)
     if sound:
         return tables
     checked = [check_group(g) for g in groups]
     if all(a is b for a, b in zip(checked, groups, strict=True)):
         return tables
-    return arrow_io.groups_to_arrow(checked, now)
+    return to_arrow.groups_to_arrow(checked, now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +171,7 @@ def write(conn: sa.Connection, prepared: Prepared) -> WriteReport:
             fresh.append(g)
     if fresh:
         assert all_tables is not None
-        tables = arrow_io.only_groups(all_tables, [g.group_id for g in fresh])
+        tables = to_arrow.only_groups(all_tables, [g.group_id for g in fresh])
         new = set(backends.insert_new(conn, tables).to_pylist())
         for g in fresh:
             # a concurrent writer may have stored the same id in between (PostgreSQL)

@@ -21,7 +21,7 @@ Why packed BLOBs and not INTEGER[] / REAL[] lists (measured with bench/store_ben
 integer/float codecs, 11× the bytes of the same data in Parquet + zstd (402 MB vs 36.5 MB);
 DuckDB cannot zstd a LIST column, but it can a BLOB, and then stores about what Parquet does.
 Reading a packed column back is one ``np.frombuffer`` of the Arrow binary buffer (no list
-flattening). :mod:`sandpiper.store.arrow_io` packs and unpacks; ``sandpiper sql`` and the analysis
+flattening). :mod:`sandpiper.store.packed` packs and unpacks; ``sandpiper sql`` and the analysis
 API show the arrays as lists.
 
 Why ``turns`` and ``tool_calls`` have their primary key (and ``turns`` its ``group_id``
@@ -31,7 +31,7 @@ at a time) and that cost a quarter of the file and a third of a large commit (me
 2,000 trajectories: 14.2 → 10.8 MB, commit 26 → 8 ms; the claim's fetch unchanged). What
 the keys guaranteed still holds: a group's rows are inserted only when its id is new
 (``groups``' key, under the writer's lock), an episode id only once (``episodes``' key),
-and :func:`sandpiper.store.arrow_io.convert_groups` refuses an episode whose turn indexes,
+and :func:`sandpiper.store.to_arrow.convert_groups` refuses an episode whose turn indexes,
 or a turn whose call indexes, repeat. On PostgreSQL the keys are the index that episode
 lookups use. Migration 6 rebuilds the two tables of an older DuckDB store.
 """

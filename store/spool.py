@@ -5,7 +5,7 @@ one record batch of one row. Its columns are the store's bulk tables (``groups``
 ``group_states``, ``episodes``, ``turns``, ``tool_calls``: :data:`~sandpiper.store.schema.BULK_TABLES`),
 each of type ``list<struct<…>>`` whose struct is that table's Arrow schema
 (:func:`~sandpiper.store.schema.arrow_schema`); the list holds the rows the group becomes,
-exactly as :func:`~sandpiper.store.arrow_io.convert_groups` makes them for ingest (packed
+exactly as :func:`~sandpiper.store.to_arrow.convert_groups` makes them for ingest (packed
 token / logprob BLOBs, per-turn policy version + change points). The schema's metadata says
 what the file is:
 
@@ -49,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 
 from sandpiper.errors import StoreError
-from sandpiper.store import arrow_io, records, schema, text
+from sandpiper.store import packed, records, schema, text, to_arrow
 from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,
@@ -128,7 +128,7 @@ def encode(group: GroupRecord, *, compression: str | None = COMPRESSION) -> pa.B
 def encode_checked(group: GroupRecord, *, compression: str | None = COMPRESSION) -> pa.Buffer:
     """:func:`encode` of a group :func:`~sandpiper.store.validation.check_group` already
     returned (the writer's ``put`` checks once and keeps the checked group)."""
-    tables, _ = arrow_io.convert_groups([group], records.utcnow())
+    tables, _ = to_arrow.convert_groups([group], records.utcnow())
     columns = [_as_list_column(tables[name]) for name in TABLES]
     meta = {
         KEY_FORMAT: FORMAT_VERSION.encode(),
@@ -213,13 +213,13 @@ def _pylist(table: pa.Table) -> list[dict[str, Any]]:
 
 def tables_to_group(tables: dict[str, pa.Table], *, slot_lease: int | None) -> GroupRecord:
     """Rebuild the one group whose rows ``tables`` are (the inverse of
-    :func:`~sandpiper.store.arrow_io.convert_groups` for one checked group)."""
+    :func:`~sandpiper.store.to_arrow.convert_groups` for one checked group)."""
     (g,) = _pylist(tables["groups"])
     turns_t = tables["turns"]
-    lengths = arrow_io.packed_lengths(turns_t["token_ids"], "<i4")
-    tokens = arrow_io.unpack(turns_t["token_ids"], "<i4")
+    lengths = packed.packed_lengths(turns_t["token_ids"], "<i4")
+    tokens = packed.unpack(turns_t["token_ids"], "<i4")
     has_lp = turns_t["logprobs"].is_valid().to_numpy(zero_copy_only=False)
-    logprobs = arrow_io.unpack(turns_t["logprobs"], "<f4")
+    logprobs = packed.unpack(turns_t["logprobs"], "<f4")
     token_at = np.r_[0, np.cumsum(lengths)]
     lp_at = np.r_[0, np.cumsum(np.where(has_lp, lengths, 0))]
     calls: dict[tuple[str, int], list[ToolCallRecord]] = {}
@@ -247,7 +247,7 @@ def tables_to_group(tables: dict[str, pa.Table], *, slot_lease: int | None) -> G
         lp = logprobs[lp_at[i] : lp_at[i + 1]] if has_lp[i] else None
         versions: np.ndarray | None
         if t["policy_version"] is not None:
-            versions = arrow_io.expand_versions(t["policy_version"], t["policy_version_changes"], n)
+            versions = packed.expand_versions(t["policy_version"], t["policy_version_changes"], n)
         else:  # no version: nothing sampled (or an empty sampled turn)
             versions = np.zeros(0, np.int32) if lp is not None and n == 0 else None
         turns.setdefault(t["episode_id"], []).append(
@@ -357,7 +357,7 @@ def load_legacy(data: bytes) -> GroupRecord:
         raise SpoolFormatError(f"pickled spool file holds a {type(group).__name__}")
     group = upgraded(group)
     try:  # a pickle's fields may hold anything; the store's conversion must take them
-        arrow_io.convert_groups([group], records.utcnow())
+        to_arrow.convert_groups([group], records.utcnow())
     except Exception as e:
         raise SpoolFormatError(f"pickled group {group.group_id!r} cannot be stored: {e!r}") from e
     return group

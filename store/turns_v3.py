@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import sqlalchemy as sa
 
-from sandpiper.store import arrow_io, schema
+from sandpiper.store import packed, schema
 from sandpiper.store.backends import fetch_arrow, insert_arrow
 
 OLD_TABLE = "turns_v3"
@@ -46,10 +46,10 @@ def _rows(col: pa.ChunkedArray, dtype: str) -> list[np.ndarray | None]:
 
 def convert(old: pa.Table) -> pa.Table:
     """Old-layout turn rows → a table in the new ``turns`` Arrow schema."""
-    runs = [arrow_io.version_runs(v) for v in _rows(old["policy_versions"], "<i4")]
+    runs = [packed.version_runs(v) for v in _rows(old["policy_versions"], "<i4")]
     new_cols = {
-        "token_ids": arrow_io._packed_array(_rows(old["token_ids"], "<i4"), "<i4"),
-        "logprobs": arrow_io._packed_array(_rows(old["logprobs"], "<f4"), "<f4"),
+        "token_ids": packed.pack(_rows(old["token_ids"], "<i4"), "<i4"),
+        "logprobs": packed.pack(_rows(old["logprobs"], "<f4"), "<f4"),
         "policy_version": pa.array([r[0] for r in runs], pa.int32()),
         "policy_version_changes": pa.array([r[1] for r in runs], pa.list_(pa.int32())),
     }

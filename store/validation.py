@@ -12,7 +12,7 @@ keep their non-finite values, the original stop reason and reward move into
 valid episodes as usual (too few valid: ``invalid``).
 
 :func:`check_group` is pure and idempotent. ``Store.write_groups`` converts a batch to Arrow
-first and checks the converted buffers in one pass (``arrow_io.convert_groups``); only a
+first and checks the converted buffers in one pass (``to_arrow.convert_groups``); only a
 batch with a suspect value goes through :func:`check_group` (``store.ingest``), so every
 group ends up as if it had been checked.
 """

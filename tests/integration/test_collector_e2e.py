@@ -68,10 +68,11 @@ def _rows(store, sql: str) -> list[tuple]:
         return [tuple(r) for r in conn.execute(sa.text(sql))]
 
 
+@pytest.mark.smoke  # `make test-fast`: the one real episode besides the unit tests
 def test_short_run_stores_token_exact_groups(vllm_server, sandbox_image, tmp_path):
     from sandpiper.collector.launch import collect
     from sandpiper.store import Store
-    from sandpiper.store.arrow_io import expand_versions, unpack_one
+    from sandpiper.store.packed import expand_versions, unpack_one
 
     toml = _config_toml(
         tmp_path, vllm_server, name="it-short", tasks=str(REPO / "tasks/folders"), max_groups=2

@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from sandpiper.errors import SchemaVersionError
-from sandpiper.store import Store, arrow_io, backends, migrations, schema
+from sandpiper.store import Store, backends, migrations, schema, to_arrow, train_arrays
 from sandpiper.store.backends import fetch_arrow, insert_arrow
 from sandpiper.testing import make_group
 from tests.integration.test_store_backends import _fresh_pg_db
@@ -100,7 +100,7 @@ def _write_old_store(url: str, groups) -> None:
     store.backend.prepare()
     old, _ = _old_metadata()
     now = datetime.now(UTC)
-    tables = arrow_io.groups_to_arrow(groups, now)
+    tables = to_arrow.groups_to_arrow(groups, now)
     tables["turns"] = _old_turn_rows(groups)
     with store.backend.write() as conn:
         old.create_all(conn)
@@ -118,7 +118,7 @@ def _write_old_store(url: str, groups) -> None:
 def _stored_turns(store: Store) -> list[tuple]:
     with store.connect_readonly() as conn:
         table = fetch_arrow(conn, "SELECT * FROM turns ORDER BY episode_id, turn_index")
-    table = arrow_io.turns_as_lists(table)
+    table = train_arrays.turns_as_lists(table)
     cols = ["episode_id", "turn_index", "role", "text", "trainable", "n_tokens"]
     return [
         (*(r[c] for c in cols), r["token_ids"], r["logprobs"], r["policy_versions"])
@@ -209,7 +209,7 @@ def test_migration_6_drops_the_duckdb_turn_keys_and_keeps_every_row(store_url, t
         migrations._write_version(conn, 5)
         conn.execute(sa.insert(schema.runs).values(run_id="run", config_json="{}",
                                                    code_version="v5", created_at=datetime.now(UTC)))  # fmt: skip
-        backends.insert_new(conn, arrow_io.groups_to_arrow(groups, datetime.now(UTC)))
+        backends.insert_new(conn, to_arrow.groups_to_arrow(groups, datetime.now(UTC)))
     turns_sql = "SELECT * FROM turns ORDER BY episode_id, turn_index"
     calls_sql = "SELECT * FROM tool_calls ORDER BY episode_id, turn_index, call_index"
     before = _rows(store, turns_sql), _rows(store, calls_sql)

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from sandpiper.store import arrow_io
+from sandpiper.store import to_arrow, train_arrays
 from sandpiper.store.records import Role
 from sandpiper.testing import make_group
 
@@ -24,9 +24,9 @@ def _as_segments(group):
 
 
 def _train(group):
-    turns = arrow_io.groups_to_arrow([group], datetime.now(UTC))["turns"]
+    turns = to_arrow.groups_to_arrow([group], datetime.now(UTC))["turns"]
     meta = {e.episode_id: (e.reward, e.valid) for e in group.episodes}
-    return arrow_io.train_episodes(turns.select(list(arrow_io.TRAIN_TURN_COLUMNS)), meta)
+    return train_arrays.train_episodes(turns.select(list(train_arrays.TRAIN_TURN_COLUMNS)), meta)
 
 
 def test_a_native_episode_is_one_segment():
@@ -53,9 +53,11 @@ def test_segments_belong_to_their_own_episode():
     """Restarts are found for the whole batch at once and handed back per episode."""
     groups = [_as_segments(make_group("g1", n_turns=5, tokens_per_turn=3)),
               make_group("g2", n_turns=5, tokens_per_turn=3)]  # fmt: skip
-    turns = arrow_io.groups_to_arrow(groups, datetime.now(UTC))["turns"]
+    turns = to_arrow.groups_to_arrow(groups, datetime.now(UTC))["turns"]
     meta = {e.episode_id: (e.reward, e.valid) for g in groups for e in g.episodes}
-    episodes = arrow_io.train_episodes(turns.select(list(arrow_io.TRAIN_TURN_COLUMNS)), meta)
+    episodes = train_arrays.train_episodes(
+        turns.select(list(train_arrays.TRAIN_TURN_COLUMNS)), meta
+    )
     starts = {e.episode_id: e.segment_starts for e in episodes}
     assert starts == {e.episode_id: (0, 6) for e in groups[0].episodes} | {
         e.episode_id: (0,) for e in groups[1].episodes

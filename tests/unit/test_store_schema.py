@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from sandpiper.errors import SchemaVersionError, StoreError
-from sandpiper.store import arrow_io, migrations, schema
+from sandpiper.store import migrations, packed, schema, to_arrow, train_arrays
 from sandpiper.store.records import GroupStatus
 from sandpiper.testing import expected_tokens, make_group
 
@@ -72,23 +72,23 @@ def _duckdb_dialect():
     [[], [3], [3, 3, 3], [3, 3, 4, 4, 4], [1, 2, 3], [5, 5, 4]],
 )
 def test_policy_versions_roundtrip_through_runs(versions):
-    first, changes = arrow_io.version_runs(np.array(versions, np.int32))
+    first, changes = packed.version_runs(np.array(versions, np.int32))
     if len(set(versions)) <= 1:
         assert changes is None  # the usual turn: one scalar, nothing else stored
-    got = arrow_io.expand_versions(first, changes, len(versions))
+    got = packed.expand_versions(first, changes, len(versions))
     np.testing.assert_array_equal(got, np.array(versions, np.int32))
 
 
 def test_unpack_skips_nulls_and_honours_slices():
     rows = [np.array([1, 2], np.int32), None, np.array([], np.int32), np.array([7], np.int32)]
-    packed = arrow_io._packed_array(rows, "<i4")
-    assert packed.null_count == 1
-    np.testing.assert_array_equal(arrow_io.unpack(packed, "<i4"), [1, 2, 7])
-    np.testing.assert_array_equal(arrow_io.packed_lengths(packed, "<i4"), [2, 0, 0, 1])
-    chunked = pa.chunked_array([packed.slice(2), packed.slice(0, 1)])
-    np.testing.assert_array_equal(arrow_io.unpack(chunked, "<i4"), [7, 1, 2])
-    np.testing.assert_array_equal(arrow_io.packed_lengths(chunked, "<i4"), [0, 1, 2])
-    assert arrow_io.unpack_one(packed[3].as_py(), "<i4") == [7]
+    col = packed.pack(rows, "<i4")
+    assert col.null_count == 1
+    np.testing.assert_array_equal(packed.unpack(col, "<i4"), [1, 2, 7])
+    np.testing.assert_array_equal(packed.packed_lengths(col, "<i4"), [2, 0, 0, 1])
+    chunked = pa.chunked_array([col.slice(2), col.slice(0, 1)])
+    np.testing.assert_array_equal(packed.unpack(chunked, "<i4"), [7, 1, 2])
+    np.testing.assert_array_equal(packed.packed_lengths(chunked, "<i4"), [0, 1, 2])
+    assert packed.unpack_one(col[3].as_py(), "<i4") == [7]
 
 
 def test_a_turn_sampled_across_a_weight_update_keeps_its_versions():
@@ -96,15 +96,15 @@ def test_a_turn_sampled_across_a_weight_update_keeps_its_versions():
     sampled = group.episodes[0].turns[1]
     spans = np.array([2, 2, 2, 3, 3, 3], np.int32)
     object.__setattr__(sampled, "policy_versions_T", spans)
-    turns = arrow_io.groups_to_arrow([group], datetime.now(UTC))["turns"]
+    turns = to_arrow.groups_to_arrow([group], datetime.now(UTC))["turns"]
     meta = {e.episode_id: (e.reward, e.valid) for e in group.episodes}
-    eps = arrow_io.train_episodes(turns.select(list(arrow_io.TRAIN_TURN_COLUMNS)), meta)
+    eps = train_arrays.train_episodes(turns.select(list(train_arrays.TRAIN_TURN_COLUMNS)), meta)
     np.testing.assert_array_equal(eps[0].policy_versions_T, np.r_[np.full(6, -1), spans])
     np.testing.assert_array_equal(eps[1].policy_versions_T, np.r_[np.full(6, -1), np.full(6, 2)])
 
 
 def test_writer_tables_match_derived_schemas():
-    tables = arrow_io.groups_to_arrow([make_group("g1"), make_group("g2")], datetime.now(UTC))
+    tables = to_arrow.groups_to_arrow([make_group("g1"), make_group("g2")], datetime.now(UTC))
     for table in schema.BULK_TABLES:
         assert tables[table.name].schema == schema.arrow_schema(table), table.name
     assert tables["episodes"].num_rows == 8
@@ -114,9 +114,11 @@ def test_writer_tables_match_derived_schemas():
 
 def test_turn_arrays_roundtrip_through_arrow():
     group = make_group("g1", n_turns=4, tokens_per_turn=7, policy_version=3)
-    turns = arrow_io.groups_to_arrow([group], datetime.now(UTC))["turns"]
+    turns = to_arrow.groups_to_arrow([group], datetime.now(UTC))["turns"]
     meta = {e.episode_id: (e.reward, e.valid) for e in group.episodes}
-    episodes = arrow_io.train_episodes(turns.select(list(arrow_io.TRAIN_TURN_COLUMNS)), meta)
+    episodes = train_arrays.train_episodes(
+        turns.select(list(train_arrays.TRAIN_TURN_COLUMNS)), meta
+    )
     assert [e.episode_id for e in episodes] == [e.episode_id for e in group.episodes]
     ep = episodes[1]
     want = np.concatenate([expected_tokens("g1", 1, t, 7) for t in range(4)])
@@ -138,14 +140,14 @@ def _train_arrays(episodes) -> dict[str, tuple]:
 def test_turn_rows_in_any_order_give_the_same_episodes():
     """The reader fetches turns without ORDER BY: chunks and rows may come in any order."""
     groups = [make_group(f"g{i}", n_turns=5, tokens_per_turn=6, policy_version=i) for i in (1, 2)]
-    turns = arrow_io.groups_to_arrow(groups, datetime.now(UTC))["turns"]
-    turns = turns.select(list(arrow_io.TRAIN_TURN_COLUMNS))
+    turns = to_arrow.groups_to_arrow(groups, datetime.now(UTC))["turns"]
+    turns = turns.select(list(train_arrays.TRAIN_TURN_COLUMNS))
     meta = {e.episode_id: (e.reward, e.valid) for g in groups for e in g.episodes}
-    want = _train_arrays(arrow_io.train_episodes(turns, meta))
+    want = _train_arrays(train_arrays.train_episodes(turns, meta))
     rotated = pa.Table.from_batches(turns.to_batches(max_chunksize=7)[::-1])  # batch order only
     shuffled = turns.take(np.random.default_rng(0).permutation(turns.num_rows))
     for table in (rotated, shuffled):
-        got = _train_arrays(arrow_io.train_episodes(table, meta))
+        got = _train_arrays(train_arrays.train_episodes(table, meta))
         assert list(got) == sorted(want)
         for episode_id, arrays in want.items():
             for a, b in zip(arrays, got[episode_id], strict=True):
@@ -157,17 +159,17 @@ def test_logprobs_on_a_non_trainable_turn_stay_out_of_the_arrays():
     prompt = group.episodes[0].turns[0]
     object.__setattr__(prompt, "logprobs_T", np.zeros(4, np.float32))
     object.__setattr__(prompt, "policy_versions_T", np.full(4, 9, np.int32))
-    turns = arrow_io.groups_to_arrow([group], datetime.now(UTC))["turns"]
+    turns = to_arrow.groups_to_arrow([group], datetime.now(UTC))["turns"]
     meta = {e.episode_id: (e.reward, e.valid) for e in group.episodes}
-    ep = arrow_io.train_episodes(turns.select(list(arrow_io.TRAIN_TURN_COLUMNS)), meta)[0]
+    ep = train_arrays.train_episodes(turns.select(list(train_arrays.TRAIN_TURN_COLUMNS)), meta)[0]
     np.testing.assert_array_equal(ep.loss_mask_T, np.repeat([False, True, False], 4))
     np.testing.assert_array_equal(ep.policy_versions_T, np.repeat([-1, 5, -1], 4))
     assert np.isnan(ep.behaviour_logprobs_T[:4]).all()
 
 
 def test_group_with_too_few_valid_episodes_is_invalid():
-    assert arrow_io.group_status(make_group("g", n_episodes=2, n_invalid=1)) == GroupStatus.INVALID
-    assert arrow_io.group_status(make_group("g", n_episodes=3, n_invalid=1)) == GroupStatus.READY
+    assert to_arrow.group_status(make_group("g", n_episodes=2, n_invalid=1)) == GroupStatus.INVALID
+    assert to_arrow.group_status(make_group("g", n_episodes=3, n_invalid=1)) == GroupStatus.READY
 
 
 def test_trainable_turn_without_logprobs_is_rejected():
@@ -175,7 +177,7 @@ def test_trainable_turn_without_logprobs_is_rejected():
     bad_turn = group.episodes[0].turns[1]
     object.__setattr__(bad_turn, "logprobs_T", None)
     with pytest.raises(StoreError, match="without logprobs_T"):
-        arrow_io.groups_to_arrow([group], datetime.now(UTC))
+        to_arrow.groups_to_arrow([group], datetime.now(UTC))
 
 
 def test_schema_version_messages_say_what_to_run():
@@ -219,9 +221,9 @@ def test_batch_version_columns_equal_the_per_record_definitions():
             object.__setattr__(t, "logprobs_T", np.zeros(0, np.float32))
             object.__setattr__(t, "policy_versions_T", empty)
     object.__setattr__(groups[0].episodes[1], "turns", ())
-    tables = arrow_io.groups_to_arrow(groups, datetime.now(UTC))
+    tables = to_arrow.groups_to_arrow(groups, datetime.now(UTC))
     rows = [(e, t) for g in groups for e in g.episodes for t in e.turns]
-    want = [arrow_io.version_runs(t.policy_versions_T) for _, t in rows]
+    want = [packed.version_runs(t.policy_versions_T) for _, t in rows]
     assert any(w[1] for w in want) and any(w[0] == -1 for w in want)
     assert tables["turns"]["policy_version"].to_pylist() == [w[0] for w in want]
     assert tables["turns"]["policy_version_changes"].to_pylist() == [w[1] for w in want]
@@ -251,17 +253,17 @@ def test_a_repeated_turn_or_call_index_is_refused_out_of_order_ones_are_not():
     conversion makes the check the key made, and names the episode."""
     group = make_group("g", n_turns=4)
     with pytest.raises(StoreError, match=r"g/.*: a turn index repeats \(\[0, 1, 1, 3\]\)"):
-        arrow_io.groups_to_arrow([_with_turn_indexes(group, [0, 1, 1, 3])], datetime.now(UTC))
+        to_arrow.groups_to_arrow([_with_turn_indexes(group, [0, 1, 1, 3])], datetime.now(UTC))
     with pytest.raises(StoreError, match="a turn index repeats"):
-        arrow_io.groups_to_arrow([_with_turn_indexes(group, [3, 0, 2, 0])], datetime.now(UTC))
-    shuffled = arrow_io.groups_to_arrow(
+        to_arrow.groups_to_arrow([_with_turn_indexes(group, [3, 0, 2, 0])], datetime.now(UTC))
+    shuffled = to_arrow.groups_to_arrow(
         [_with_turn_indexes(group, [3, 0, 2, 1])], datetime.now(UTC)
     )
     assert shuffled["turns"]["turn_index"].to_pylist()[:4] == [3, 0, 2, 1]
     # the same index in two episodes, or after an episode without turns, is no repeat
     empty = dataclasses.replace(group.episodes[1], turns=())
     fine = dataclasses.replace(group, episodes=(group.episodes[0], empty, *group.episodes[2:]))
-    assert arrow_io.groups_to_arrow([fine], datetime.now(UTC))["turns"].num_rows > 0
+    assert to_arrow.groups_to_arrow([fine], datetime.now(UTC))["turns"].num_rows > 0
 
     turn = next(t for t in group.episodes[2].turns if t.tool_calls)
     call = turn.tool_calls[0]
@@ -270,7 +272,7 @@ def test_a_repeated_turn_or_call_index_is_refused_out_of_order_ones_are_not():
     ep = dataclasses.replace(ep, turns=tuple(twice if t is turn else t for t in ep.turns))
     bad = dataclasses.replace(group, episodes=(*group.episodes[:2], ep, *group.episodes[3:]))
     with pytest.raises(StoreError, match=rf"turn {turn.index}: a tool call index repeats"):
-        arrow_io.groups_to_arrow([bad], datetime.now(UTC))
+        to_arrow.groups_to_arrow([bad], datetime.now(UTC))
 
 
 def test_turn_and_call_keys_exist_on_postgresql_only():

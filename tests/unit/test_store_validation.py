@@ -122,10 +122,10 @@ def test_the_conversion_flags_what_validation_must_look_at(arrays, sound) -> Non
     flags goes through ``check_group``. A flagged batch still converts (NaN versions too)."""
     from datetime import UTC, datetime
 
-    from sandpiper.store import arrow_io
+    from sandpiper.store import to_arrow
 
     group = _spoil(make_group("g", n_episodes=2, tokens_per_turn=8), 1, 1, **arrays)
-    tables, ok = arrow_io.convert_groups([make_group("h", tokens_per_turn=8), group],
+    tables, ok = to_arrow.convert_groups([make_group("h", tokens_per_turn=8), group],
                                          datetime.now(UTC))  # fmt: skip
     assert ok is sound
     assert tables["turns"].num_rows == (4 + 2) * 3  # episodes × turns

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from sandpiper.errors import StoreError
-from sandpiper.store import Store, arrow_io, schema, spool
+from sandpiper.store import Store, schema, spool, to_arrow
 from sandpiper.store.collectors import task_rank
 from sandpiper.store.records import (
     EpisodeRecord,
@@ -217,7 +217,7 @@ def test_a_spool_file_is_the_rows_the_store_ingests() -> None:
     assert meta[b"sandpiper.store.schema_version"] == str(schema.SCHEMA_VERSION).encode()
     (batch,) = list(reader)
     assert batch.num_rows == 1
-    want, _ = arrow_io.convert_groups([group], datetime.now(UTC))
+    want, _ = to_arrow.convert_groups([group], datetime.now(UTC))
     assert batch.schema.names == [t.name for t in schema.BULK_TABLES]
     for table in schema.BULK_TABLES:
         column = batch.column(table.name)
@@ -243,8 +243,8 @@ def test_what_is_read_back_converts_to_the_same_rows() -> None:
     bad = dataclasses.replace(bad, episodes=(ep, bad.episodes[1]))
     now = datetime.now(UTC)
     for group in (rich_group(), bad):
-        direct = arrow_io.groups_to_arrow([check_group(group)], now)
-        spooled = arrow_io.groups_to_arrow([check_group(spool.decode(spool.encode(group)))], now)
+        direct = to_arrow.groups_to_arrow([check_group(group)], now)
+        spooled = to_arrow.groups_to_arrow([check_group(spool.decode(spool.encode(group)))], now)
         for name in direct:
             assert direct[name].equals(spooled[name]), name
     back = spool.decode(spool.encode(bad))
