@@ -5,6 +5,8 @@ Each task is a task folder (see :mod:`sandpiper.collector.tasks`)::
     <id>/instruction.md     "Write the sum of the numbers in numbers.txt to answer.txt, then submit."
     <id>/files/numbers.txt  seven random 6-digit integers (never shown to the model)
     <id>/task.toml          reward = "exact", the answer, answer_file = "/workspace/answer.txt"
+    <id>/solution/solve.sh  the reference solution (:data:`COMPUTE_COMMAND`; never copied into
+                            the sandbox: docs/tasks.md, Reference solutions)
 
 The model cannot know the answer without running code in the sandbox: it has to add the
 numbers up with ``python3`` (:data:`COMPUTE_COMMAND`), write the result to ``answer.txt``
@@ -80,6 +82,8 @@ def write_demo_tasks(out_dir: str | Path, n_tasks: int = 60, *, seed: int = 0) -
             f'reward = "exact"\nanswer = {json.dumps(task.answer)}\n'
             f'answer_file = "{ANSWER_FILE}"\nsplit = "train"\n'
         )
+        (folder / "solution").mkdir(exist_ok=True)
+        (folder / "solution" / "solve.sh").write_text(COMPUTE_COMMAND + "\n")
     return root
 
 
