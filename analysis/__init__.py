@@ -5,7 +5,6 @@
 - :mod:`sandpiper.analysis.api`        functions returning polars DataFrames, for notebooks
 - :mod:`sandpiper.analysis.transcript` one episode as a rich transcript (``sandpiper show``)
 - :mod:`sandpiper.analysis.plots`, :mod:`sandpiper.analysis.report`  the HTML report (``sandpiper report``)
-- :mod:`sandpiper.analysis.synthetic`  a realistic synthetic run for tests, docs and demos
 
 See ``docs/analysis.md`` for examples.
 """

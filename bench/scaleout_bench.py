@@ -51,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sandpiper.store import Store
-from sandpiper.store.collectors import task_rank
+from sandpiper.store.slots import task_rank
 from sandpiper.store.records import PolicyRecord, RunRecord
 from sandpiper.testing import make_group
 

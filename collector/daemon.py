@@ -62,7 +62,7 @@ from sandpiper.collector.status import CollectorMetrics
 from sandpiper.collector.tasks import Task
 from sandpiper.config import CollectorSettings, RunConfig, collector_settings
 from sandpiper.errors import SandpiperError, StoreError, TaskError
-from sandpiper.store.collectors import task_rank
+from sandpiper.store.slots import task_rank
 from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,

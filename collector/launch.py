@@ -40,7 +40,7 @@ from sandpiper.collector.shutdown import (
 from sandpiper.collector.status import CollectorMetrics
 from sandpiper.config import CollectorSettings, RunConfig, collector_settings
 from sandpiper.errors import ConfigError
-from sandpiper.store.collectors import default_host
+from sandpiper.store.slots import default_host
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ T = schema
 READY, CLAIMED = GroupStatus.READY.value, GroupStatus.CLAIMED.value
 
 
-def claim(
+def claim_groups(
     conn: sa.Connection,
     *,
     run_id: str,

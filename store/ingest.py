@@ -25,7 +25,7 @@ from datetime import datetime
 import pyarrow as pa
 import sqlalchemy as sa
 
-from sandpiper.store import backends, collectors, schema, to_arrow
+from sandpiper.store import backends, schema, slots, to_arrow
 from sandpiper.store.records import GroupRecord, WriteOutcome, WriteReport, utcnow
 
 log = logging.getLogger(__name__)
@@ -80,14 +80,14 @@ def _finish_slots(conn: sa.Connection, groups: list[GroupRecord], now) -> set[st
     was most of a commit's statements); DuckDB: one by one, under the file lock."""
     leased = [(g, g.slot_lease) for g in groups if g.slot_lease is not None]
     if backends.is_postgres(conn):
-        done = collectors.finish_many(
+        done = slots.finish_many(
             conn, [(g.run_id, g.task_id, _slot_seq(g), lease) for g, lease in leased], now=now
         )
         return {g.group_id for g, _ in leased if (g.run_id, g.task_id, _slot_seq(g)) in done}
     return {
         g.group_id
         for g, lease in leased
-        if collectors.finish(
+        if slots.finish(
             conn, run_id=g.run_id, task_id=g.task_id, seq=_slot_seq(g), lease=lease, now=now
         )
     }

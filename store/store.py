@@ -25,7 +25,7 @@ from sqlalchemy.dialects import postgresql
 from sandpiper.errors import DuplicateGroupError, PolicyConflictError, StoreError
 from sandpiper.store import backends, leases, migrations, schema
 from sandpiper.store.backends import DuckDBBackend, make_backend
-from sandpiper.store.claims import claim, load_episodes
+from sandpiper.store.claims import claim_groups, load_episodes
 from sandpiper.store.records import (
     CollectorRecord,
     Fence,
@@ -422,52 +422,52 @@ class Store:
                 out[d.group_id] = f"failed: {error}"
         return out
 
-    # ---- collectors and task slots (store/collectors.py; docs/scaleout.md) ------------------
+    # ---- collectors and task slots (store/slots.py; docs/scaleout.md) ------------------
 
     def register_collector(
         self, *, run_id: str, host: str | None = None, collector_id: str | None = None
     ) -> str:
         """Register this process as a collector of ``run_id``; returns its unique id."""
-        from sandpiper.store import collectors
+        from sandpiper.store import slots
 
         with self.transaction() as conn:
-            return collectors.register(conn, run_id=run_id, host=host, collector_id=collector_id)
+            return slots.register(conn, run_id=run_id, host=host, collector_id=collector_id)
 
     def heartbeat_collector(self, collector_id: str, *, policy_version: int | None = None) -> bool:
         """Renew its heartbeat (and announce the policy version it serves or is about to
         load); False if the store holds it as stopped (or does not know it)."""
-        from sandpiper.store import collectors
+        from sandpiper.store import slots
 
         with self.transaction() as conn:
-            return collectors.heartbeat(conn, collector_id, policy_version=policy_version)
+            return slots.heartbeat(conn, collector_id, policy_version=policy_version)
 
     def collector_policy_versions(self, *, run_id: str, within_s: float) -> set[int]:
         """Versions that collectors of ``run_id`` with a heartbeat younger than ``within_s``
         serve or are loading (checkpoint retention keeps them)."""
-        from sandpiper.store import collectors
+        from sandpiper.store import slots
 
         with self.connect_readonly() as conn:
-            return collectors.referenced_versions(conn, run_id=run_id, within_s=within_s)
+            return slots.referenced_versions(conn, run_id=run_id, within_s=within_s)
 
     def stop_collector(self, collector_id: str) -> int:
         """Mark it stopped and free its leased slots at once; returns the slots freed."""
-        from sandpiper.store import collectors
+        from sandpiper.store import slots
 
         with self.transaction() as conn:
-            return collectors.stop(conn, collector_id)
+            return slots.stop(conn, collector_id)
 
     def collectors(self, run_id: str | None = None) -> list[CollectorRecord]:
-        from sandpiper.store import collectors
+        from sandpiper.store import slots
 
         with self.connect_readonly() as conn:
-            return collectors.collectors(conn, run_id=run_id)
+            return slots.collectors(conn, run_id=run_id)
 
     def collector_liveness(self, *, ttl_s: float) -> dict[str, bool]:
         """Every registered collector id -> live (heartbeat younger than ``ttl_s``, running)."""
-        from sandpiper.store import collectors
+        from sandpiper.store import slots
 
         with self.connect_readonly() as conn:
-            return collectors.liveness(conn, ttl_s=ttl_s)[1]
+            return slots.liveness(conn, ttl_s=ttl_s)[1]
 
     def claim_slots(
         self,
@@ -481,10 +481,10 @@ class Store:
         only: Sequence[str] | None = None,
     ) -> list[SlotLease]:
         """The next ``n`` task slots for this collector (``tasks``: its ``(task_id, rank)``)."""
-        from sandpiper.store import collectors
+        from sandpiper.store import slots
 
         with self.transaction() as conn:
-            leases = collectors.claim(
+            leases = slots.claim_slots(
                 conn, run_id=run_id, collector_id=collector_id, tasks=tasks, split=split,
                 only=only, ttl_s=ttl_s, n=n,
             )  # fmt: skip
@@ -498,16 +498,16 @@ class Store:
 
     def release_slot(self, lease: SlotLease) -> bool:
         """Hand an unfinished slot back for re-issue; False if it was already re-issued."""
-        from sandpiper.store import collectors
+        from sandpiper.store import slots
 
         with self.transaction() as conn:
-            return collectors.release(conn, lease)
+            return slots.release(conn, lease)
 
     def slot_counts(self, run_id: str) -> dict[str, int]:
-        from sandpiper.store import collectors
+        from sandpiper.store import slots
 
         with self.connect_readonly() as conn:
-            return collectors.slot_counts(conn, run_id)
+            return slots.slot_counts(conn, run_id)
 
     # ---- learner ---------------------------------------------------------------------------
 
@@ -524,7 +524,7 @@ class Store:
         """Claim the ``n_groups`` oldest fresh READY groups, or None if fewer are available
         (stale groups are dropped, and unreadable ones set aside, even then)."""
         with self.transaction() as conn:
-            return claim(
+            return claim_groups(
                 conn, run_id=run_id, learner_id=learner_id, n_groups=n_groups, max_lag=max_lag,
                 lease_s=lease_s, fence=fence,
             )  # fmt: skip

@@ -9,6 +9,8 @@
 - :class:`MemoryStore` (the learner's ``LearnerStore``): claims, leases and fences in memory.
 - :func:`make_group` / :func:`expected_tokens`: deterministic synthetic ``GroupRecord``s for
   store tests and benchmarks.
+- :mod:`sandpiper.testing.synthetic`: a whole synthetic run that looks like real collection
+  (``synthetic_run``, ``populate``), for the analysis tests and trying the report.
 
 Used by the project's tests and benchmarks and available to users testing their own task
 formats or agents. The top layer: it imports the parts, no part imports it.

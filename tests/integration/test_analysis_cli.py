@@ -84,7 +84,7 @@ def test_parquet_needs_out(analysis_duckdb_url: str) -> None:
 
 def test_sql_reads_while_a_writer_commits(tmp_path) -> None:
     """Readers wait briefly for the writer's lock and never fail or see partial groups."""
-    from sandpiper.analysis.synthetic import populate, synthetic_run
+    from sandpiper.testing.synthetic import populate, synthetic_run
     from sandpiper.store import Store
 
     url = f"duckdb:///{tmp_path / 'live.duckdb'}"
@@ -152,7 +152,7 @@ def test_report_of_an_empty_store(tmp_path) -> None:
 
 
 def test_report_never_mixes_runs(tmp_path) -> None:
-    from sandpiper.analysis.synthetic import populate, synthetic_run
+    from sandpiper.testing.synthetic import populate, synthetic_run
     from sandpiper.store import Store
 
     url = f"duckdb:///{tmp_path / 'two.duckdb'}"

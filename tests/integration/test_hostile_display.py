@@ -45,7 +45,7 @@ def _hostile(episode):
 
 @pytest.fixture(scope="module")
 def hostile_store(tmp_path_factory):
-    from sandpiper.analysis.synthetic import populate, synthetic_run
+    from sandpiper.testing.synthetic import populate, synthetic_run
     from sandpiper.store import Store
 
     run = synthetic_run(seed=1, num_versions=1, groups_per_version=2, group_size=2)

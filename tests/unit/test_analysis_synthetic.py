@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from sandpiper.analysis.synthetic import synthetic_run
+from sandpiper.testing.synthetic import synthetic_run
 from sandpiper.analysis.views import IMPORTANCE_METRICS
 from sandpiper.store.records import INFRA_STOPS, ToolErrorKind
 

@@ -12,7 +12,7 @@ from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import Task
 from sandpiper.config import RunConfig
 from sandpiper.errors import StoreError
-from sandpiper.store.collectors import task_rank
+from sandpiper.store.slots import task_rank
 from sandpiper.store.records import GroupStatus, PolicyRecord, Split, WriteOutcome
 from sandpiper.testing import (
     FAKE_TOOL_SCHEMAS,

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from sandpiper.errors import StoreError
 from sandpiper.store import Store, schema, spool, to_arrow
-from sandpiper.store.collectors import task_rank
+from sandpiper.store.slots import task_rank
 from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,

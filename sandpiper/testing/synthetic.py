@@ -11,7 +11,7 @@ Rewards rise with the policy version so that plots show a trend.
 (the same path the collector and the learner take)::
 
     from sandpiper.store import Store
-    from sandpiper.analysis.synthetic import populate, synthetic_run
+    from sandpiper.testing.synthetic import populate, synthetic_run
 
     store = Store("duckdb:///runs/demo.duckdb")
     store.init()

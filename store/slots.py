@@ -7,7 +7,7 @@ Design and reasons: ``docs/scaleout.md``. In short:
   ``heartbeat_at`` is younger than the heartbeat TTL (by the store's clock) and it has not
   stopped. Nothing here, nor the sandbox janitor, ever judges a collector by its pid.
 - A *task slot* ``(run, task, seq)`` is one GRPO group to collect; its group id is
-  ``{run}/{task}/{seq}``. :func:`claim` issues the next slot to one collector: the lowest
+  ``{run}/{task}/{seq}``. :func:`claim_slots` issues the next slot to one collector: the lowest
   ``seq`` first, ties by the task's hashed rank (the least-sampled-first order of a single
   collector), free slots before new ones. When no slot is free it adds the next *round*
   (the next ``seq`` of every least-sampled task). PostgreSQL picks with ``FOR UPDATE SKIP
@@ -209,7 +209,7 @@ def reap(conn: sa.Connection, *, run_id: str, ttl_s: float, skip_locked: bool) -
     return sum(freed.values())
 
 
-def claim(
+def claim_slots(
     conn: sa.Connection,
     *,
     run_id: str,
