@@ -88,6 +88,10 @@ def make_start(settings: RaceSettings, root: Path, train: Path, start: Path) -> 
         # sides get the Hermes tool template the tiny model ships (sandpiper/data).
         shutil.copy(REPO / "sandpiper" / "data" / "chat_template.jinja", start)
         return
+    if settings.suite != "sum":
+        # The scripted teacher knows only the demo's instruction: warm-start on the sum
+        # family's demo tasks (not the peer rows), then race on the peer rows.
+        train = prepare_suite(replace(settings, suite="sum"), root / "warmstart-tasks")[0]
     checkpoint = sft_warm_start(settings, root, train)
     shutil.copytree(checkpoint, start, ignore=shutil.ignore_patterns("train_state"))
 
