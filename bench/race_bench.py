@@ -175,6 +175,10 @@ def reward_by_version(store_url: str, run_id: str) -> list[dict[str, Any]]:
     ]
 
 
+TRL_REWARD = re.compile(r"'reward': '([-\d.e]+)'")
+"""The training reward TRL prints each step (``logging_steps = 1``)."""
+
+
 def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str, Any]:
     """bench/race_trl.py in its own process for the budget (plus the step in flight)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -196,13 +200,19 @@ def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str
     if rc != 0:
         raise RuntimeError(f"the TRL side failed (exit {rc}); see {out / 'trl.log'}")
     log_rows = json.loads((out / "trl_log.json").read_text())
+    logged = TRL_REWARD.findall((out / "trl.log").read_text(errors="replace"))
+    for row, reward in zip(log_rows, logged, strict=False):
+        row.setdefault("trl_logged_reward", float(reward))
     done = [r for r in log_rows if r["t_s"] <= spec["budget_s"]]
     return {
         "t0_epoch": t0,
         "wall_s": wall_s,
         "steps": len(done),
         "samples": sum(r["samples"] for r in done),
-        "train_reward_by_step": [{"step": r["step"], "reward": r.get("reward")} for r in log_rows],
+        "train_reward_by_step": [
+            {"step": r["step"], "reward": r.get("reward"), "trl_logged": r.get("trl_logged_reward")}
+            for r in log_rows
+        ],
         "learner_tokens": sum(r["tokens"] for r in done),
         "learner_train_s": sum(r["train_s"] for r in done),
         "generate_s": sum(r["generate_s"] for r in done),

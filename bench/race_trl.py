@@ -71,6 +71,8 @@ class SandboxRuntime:
 
 RUNTIME: SandboxRuntime | None = None
 TASKS: dict[str, Any] = {}
+STEP_REWARDS: list[float | None] = []
+"""Rewards of the episodes scored since the last step ended (the step's training reward)."""
 
 
 class SandboxEnv:
@@ -150,6 +152,7 @@ class SandboxEnv:
         assert RUNTIME is not None
         self._done = True
         self._reward = RUNTIME.run(self._score(answer, test_reward, submitted))
+        STEP_REWARDS.append(self._reward)
         self._close()
 
     async def _score(self, answer: str | None, test_reward: float | None, submitted: bool) -> Any:
@@ -239,7 +242,7 @@ def make_callback(spec: dict[str, Any], out: Path, log: list[dict[str, Any]], ti
             entry = {"step": state.global_step, "t_s": now - t0, "step_s": step_s,
                      "generate_s": timer["gen_s"], "train_s": step_s - timer["gen_s"],
                      "tokens": timer.get("tokens", 0), "samples": timer.get("samples", 0),
-                     "reward": timer.get("reward")}  # fmt: skip
+                     "reward": _mean_reward()}  # fmt: skip
             while marks and marks[0] <= now - t0:
                 marks.pop(0)  # passed without a checkpoint in time: it gets the last one
             if (marks and now - t0 + step_s >= marks[0]) or now - t0 + step_s >= budget:
@@ -253,6 +256,13 @@ def make_callback(spec: dict[str, Any], out: Path, log: list[dict[str, Any]], ti
                 control.should_training_stop = True
 
     return WallClock()
+
+
+def _mean_reward() -> float | None:
+    """Mean reward of the valid episodes scored since the last call (then forgotten)."""
+    valid = [r for r in STEP_REWARDS if r is not None]
+    STEP_REWARDS.clear()
+    return sum(valid) / len(valid) if valid else None
 
 
 def instrument(trainer: Any, timer: dict) -> None:
@@ -299,16 +309,6 @@ def main(spec_path: str) -> None:
             callbacks=[make_callback(spec, out, log, timer)],
         )
         instrument(trainer, timer)
-        original_log = trainer.log
-
-        def log_reward(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-            if "reward" in logs:
-                timer["reward"] = logs["reward"]
-                if log:
-                    log[-1]["reward"] = logs["reward"]
-            original_log(logs, *args, **kwargs)
-
-        trainer.log = log_reward
         trainer.train()
     finally:
         RUNTIME.close()

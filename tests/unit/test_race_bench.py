@@ -280,11 +280,13 @@ def test_sandbox_env_runs_the_task_with_sandpipers_toolbox_and_reward(suite) -> 
         )
         for env in (solved, guessed, silent):
             env.reset(task_id=task_id, prompt=[])
+        race_trl.STEP_REWARDS.clear()
         solved.execute_bash(COMPUTE_COMMAND)
         solved.submit()
         assert solved.execute_bash("ls") == race_trl.ENDED  # the episode ended at submit
         guessed.execute_bash("echo 42 > answer.txt")
         assert (solved.get_reward(), guessed.get_reward(), silent.get_reward()) == (1.0, 0.0, 0.0)
+        assert race_trl._mean_reward() == pytest.approx(1 / 3) and not race_trl.STEP_REWARDS
         assert pool.acquired == 3 and not pool.held
     finally:
         runtime.close()
