@@ -346,8 +346,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps(result["summary"], indent=1))
     if args.json:
-        print(json.dumps(result["summary"], default=str))
+        print(json.dumps(flat_summary(result["summary"]), default=str))
     return result
+
+
+def flat_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary with each side's figures as top-level ``<side>_<figure>`` keys (what
+    ``bench/report.py --append`` records)."""
+    flat = {k: v for k, v in summary.items() if not isinstance(v, dict)}
+    for side in SIDES:
+        for key, value in summary.get(side, {}).items():
+            flat[f"{side}_{key}"] = value
+    return flat
 
 
 def checkpoints_of(side: str, result: dict[str, Any]) -> list[Any]:
