@@ -20,6 +20,12 @@ Figures (``--json``: one JSON object on the last line; definitions in docs/gatew
 - ``--agent-direct``: ``gateway_added_over_agent_direct_ms_p50`` / ``_p99``, the added latency
   over the agent calling vLLM itself, vLLM's own time of each call taken from its metrics
   (colder: compare with the in-call figure of the same run only);
+- per wire API (``chat``, ``responses``, ``messages``; ``_stream``: streamed, timed to the
+  last byte): ``api_<api>[_stream]_overhead_ms_p50`` / ``_p99`` (one episode at a time) and
+  ``_p50_c16`` / ``_p99_c16`` (16 at once); ``gateway_hop_ms_p50``, the bare HTTP hop over all
+  of this run's one-at-a-time calls; ``gateway_overhead_over_hop_ms_p50`` = the worst API's
+  p50 − the hop's (goal ≤ 0.5 ms: the gateway's own work beyond what any HTTP server in front
+  of vLLM costs), ``gateway_worst_api`` names it on its own line;
 - ``call_path_cpu_ms`` (CPU per call into the ASGI app, no sockets) and
   ``close_cpu_ms_per_episode``; ``load_avg_1m_*``. ``--profile FILE``: a cProfile of a stub run.
 
@@ -72,9 +78,17 @@ class StubClient:
 
 
 async def measure(
-    client, renderer, args, concurrency: int, episodes: int, profile: str | None = None
+    client,
+    renderer,
+    args,
+    concurrency: int,
+    episodes: int,
+    profile: str | None = None,
+    wire_api: str = "chat",
+    stream: bool = False,
 ) -> dict[str, Any]:
-    """One agent process against a fresh gateway; the pairs and this process's CPU time."""
+    """One agent process (speaking ``wire_api``, streamed or not) against a fresh gateway; the
+    pairs and this process's CPU time."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
@@ -167,8 +181,10 @@ async def measure(
         sys.executable, str(Path(__file__).resolve().parent / "gateway_agent.py"),
         "--gateway", gateway.url, "--control", f"http://{host}:{port}",
         "--concurrency", str(concurrency), "--episodes", str(episodes),
-        "--turns", str(args.turns), "--tag", f"run {next(_RUNS)}",
+        "--turns", str(args.turns), "--tag", f"run {next(_RUNS)}", "--api", wire_api,
     ]  # fmt: skip
+    if stream:
+        cmd.append("--stream")
     if args.agent_direct and isinstance(client, VLLMPolicyClient):  # and vLLM itself
         cmd += ["--vllm", client.urls[0]]
     try:
@@ -311,6 +327,56 @@ def _agent_direct_figures(via: np.ndarray, own: np.ndarray, client: np.ndarray) 
     }
 
 
+API_RUNS = tuple((api, stream) for api in ("chat", "responses", "messages")
+                 for stream in (False, True))  # fmt: skip
+"""The wire APIs (and streamed or not) whose added latency is reported."""
+
+
+async def _per_api(
+    client, renderer, args, chat_one, chat_many, prefix: str = ""
+) -> dict[str, float]:
+    """Added latency per wire API, one episode at a time and 16 at once (the plain chat runs
+    already made are reused), against the bare HTTP hop of all one-at-a-time calls; figure
+    names start with ``prefix`` (``stub_`` for the instant model)."""
+    out: dict[str, float] = {}
+    hops, n_calls = [], 0
+    for api, stream in API_RUNS:
+        if api not in args.apis:
+            continue
+        name = api + ("_stream" if stream else "")
+        if (api, stream) == ("chat", False):
+            one, many = chat_one, chat_many
+        else:
+            one = await measure(
+                client, renderer, args, 1, args.episodes, wire_api=api, stream=stream
+            )
+            many = await measure(client, renderer, args, 16, args.episodes_c16, wire_api=api,
+                                 stream=stream)  # fmt: skip
+        n_calls += len(one["gateway_ms"]) + len(many["gateway_ms"])
+        hops.append(one["control_ms"] - one["direct_ms"])
+        for m, suffix in ((one, ""), (many, "_c16")):
+            added = m["gateway_ms"] - m["model_ms"]
+            out[f"{prefix}api_{name}_overhead_ms_p50{suffix}"] = _ms(added, 50)
+            out[f"{prefix}api_{name}_overhead_ms_p99{suffix}"] = _ms(added, 99)
+    out |= over_hop(out, np.concatenate(hops), prefix)
+    out[f"{prefix}calls"] = float(n_calls)
+    return out
+
+
+def over_hop(figures: dict[str, float], hop_ms: np.ndarray, prefix: str = "") -> dict[str, float]:
+    """``gateway_overhead_over_hop_ms_p50``: the worst API's one-at-a-time p50 added latency
+    − the bare HTTP hop's p50 (what the gateway costs beyond any server in front of vLLM)."""
+    head = f"{prefix}api_"
+    p50s = {k.removeprefix(head).removesuffix("_overhead_ms_p50"): v for k, v in figures.items()
+            if k.startswith(head) and k.endswith("_overhead_ms_p50")}  # fmt: skip
+    hop = _ms(hop_ms, 50)
+    worst = max(p50s, key=lambda k: p50s[k])
+    name = "gateway" if not prefix else prefix.rstrip("_")
+    print(f"{name}_worst_api: {worst}", file=sys.stderr)
+    return {f"{name}_hop_ms_p50": hop,
+            f"{name}_overhead_over_hop_ms_p50": round(p50s[worst] - hop, 3)}  # fmt: skip
+
+
 async def main(args: argparse.Namespace) -> dict[str, float]:
     from transformers import AutoTokenizer
 
@@ -343,7 +409,9 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
         one = await measure(stub, renderer, args, 1, args.episodes)
         out |= _figures(one, "stub", "")
         out["stub_server_cpu_ms_per_call"] = round(one["cpu_s"] * 1000 / len(one["gateway_ms"]), 3)
-        out |= _figures(await measure(stub, renderer, args, 16, args.episodes_c16), "stub", "_c16")
+        many = await measure(stub, renderer, args, 16, args.episodes_c16)
+        out |= _figures(many, "stub", "_c16")
+        out |= await _per_api(stub, renderer, args, one, many, prefix="stub_")
         if args.profile:  # a run of its own: the profiler slows what it watches
             await measure(stub, renderer, args, 1, args.episodes, profile=args.profile)
         if not args.stub_only:
@@ -354,11 +422,11 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
             finally:
                 await client.aclose()
             out |= _figures(one, "gateway", "") | _figures(many, "gateway", "_c16")
+            out |= await _per_api(client, renderer, args, one, many)
             if args.agent_direct and "agent_direct_calls_timed" not in out:
                 print("--agent-direct: no call could be timed from vLLM's metrics (no "
                       "vllm:e2e_request_latency_seconds at /metrics: --disable-log-stats?)",
                       file=sys.stderr)  # fmt: skip
-            out["calls"] = float(len(one["gateway_ms"]) + len(many["gateway_ms"]))
     finally:
         if server is not None:
             server.stop()
@@ -389,8 +457,16 @@ def parse_args() -> argparse.Namespace:
         "vLLM's own time of each call (its metrics, read around it) is taken out of "
         "both: gateway_added_over_agent_direct_ms_*. Slower; one episode at a time.",
     )
+    p.add_argument("--apis", type=lambda s: tuple(s.split(",")),
+                   default=("chat", "responses", "messages"),
+                   help="Wire APIs whose added latency is reported, each streamed and not "
+                   "(comma-separated; default: chat,responses,messages).")  # fmt: skip
     p.add_argument("--json", action="store_true", help="Print one JSON object as last line.")
-    return p.parse_args()
+    args = p.parse_args()
+    unknown = set(args.apis) - {api for api, _ in API_RUNS}
+    if unknown or not args.apis:
+        p.error(f"--apis: unknown {sorted(unknown)} (chat, responses, messages)")
+    return args
 
 
 if __name__ == "__main__":

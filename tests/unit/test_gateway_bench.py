@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 
 import httpx
+import numpy as np
+import pytest
 
 
 def _load(name: str):
@@ -73,3 +75,54 @@ def test_client_cpu_compares_the_client_with_a_plain_post():
         out["client_cpu_us_per_call"] / out["plain_httpx_cpu_us_per_call"],
         rel_tol=0.01,
     )
+
+
+gateway_bench = _load("gateway_bench")
+BASH_LS = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "ls"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_the_bench_agent_speaks_each_api_and_its_calls_extend(tiny_tokenizer, api, stream):
+    """The bench agent's request and reply handling in each wire API (streams parsed back
+    into the reply): the gateway answers every call, and the second call, which sends the
+    first reply back with a tool result, extends the first token for token — so the bench
+    times the path a real agent of that API takes."""
+    from sandpiper.collector.gateway.server import Gateway, GatewaySettings
+    from sandpiper.collector.render import ChatRenderer
+    from sandpiper.collector.tools import offered_schemas
+    from sandpiper.testing import ScriptedPolicy
+
+    tools = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")
+    gateway = Gateway(client=ScriptedPolicy(tiny_tokenizer, [BASH_LS, "done"]),
+                      renderer=ChatRenderer(tiny_tokenizer, tools),
+                      settings=GatewaySettings(model_names=("policy",)))  # fmt: skip
+    gateway.open_episode("e")
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=gateway.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            conversation = agent.Conversation(api, "list the files")
+            for turn in range(2):
+                r = await http.post("/episodes/e/v1" + agent.ROUTES[api],
+                                    json=conversation.body(stream))  # fmt: skip
+                assert r.status_code == 200, r.text
+                conversation.absorb(conversation.reply(r, stream), turn)
+
+    asyncio.run(main())
+    calls = gateway.close_episode("e").calls
+    assert len(calls) == 2 and calls[1].extends and calls[1].restart_reason is None
+    assert "execute_bash" in calls[0].text  # the reply sent back held a tool call
+
+
+def test_overhead_over_hop_is_the_worst_apis_p50_minus_the_hops():
+    figures = {
+        "api_chat_overhead_ms_p50": 2.0, "api_messages_stream_overhead_ms_p50": 3.5,
+        "api_chat_overhead_ms_p99": 40.0, "api_chat_overhead_ms_p50_c16": 90.0,
+        "stub_api_chat_overhead_ms_p50": 9.0,
+    }  # fmt: skip
+    hop = np.array([1.0, 1.5, np.nan])  # a direct-first pair has no hop
+    out = gateway_bench.over_hop(figures, hop)
+    assert out == {"gateway_hop_ms_p50": 1.25, "gateway_overhead_over_hop_ms_p50": 2.25}
+    stub = gateway_bench.over_hop(figures, hop, "stub_")
+    assert stub == {"stub_hop_ms_p50": 1.25, "stub_overhead_over_hop_ms_p50": 7.75}
