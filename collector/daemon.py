@@ -42,6 +42,7 @@ until ``stop`` is set (or ``max_groups`` train groups are written):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -57,12 +58,11 @@ from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.inference.base import Generation, PolicyClient, SamplingParams
 from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
-from sandpiper.collector.shutdown import final_commit, flush_until_stopped
+from sandpiper.collector.shutdown import final_commit, flush_until_stopped, unless_stopped
 from sandpiper.collector.status import CollectorMetrics
 from sandpiper.collector.tasks import Task
 from sandpiper.config import CollectorSettings, RunConfig, collector_settings
 from sandpiper.errors import SandpiperError, StoreError, TaskError
-from sandpiper.store.slots import task_rank
 from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,
@@ -72,6 +72,7 @@ from sandpiper.store.records import (
     Split,
     WriteOutcome,
 )
+from sandpiper.store.slots import task_rank
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ class Collector:
         }
         self._leases: list[SlotLease] = []
         """Train slots issued to this collector and not started yet."""
+        self._stop = asyncio.Event()
+        """Set by a stop (the event :meth:`run` was given): store waits end at once."""
         writer.on_outcome = self._on_outcome
         self._loop: asyncio.AbstractEventLoop | None = None
         self.limits = EpisodeLimits.from_config(config)
@@ -186,12 +189,11 @@ class Collector:
                 "no train tasks to collect (all tasks are in the validation split)"
             )
         self._loop = asyncio.get_running_loop()
-        await self._heartbeat()
-        # commit what a crashed predecessor on this spool acknowledged, under its slot leases
-        if not await flush_until_stopped(self.writer, stop):
+        self._stop = stop
+        started, _ = await unless_stopped(self._start_up(stop), stop)
+        if not started:
+            log.info("stopped before collecting (the store did not answer in time)")
             return self.metrics
-        await asyncio.to_thread(self._retire_predecessor)
-        await self._poll_store()
         if self.gateway is None and any(agent_command(t) for t in self.train_tasks):
             self.gateway = self._gateway()
         if self.gateway is not None and not self.gateway.url:
@@ -226,6 +228,14 @@ class Collector:
                 await self._report()
         return self.metrics
 
+    async def _start_up(self, stop: asyncio.Event) -> None:
+        await self._heartbeat()
+        # commit what a crashed predecessor on this spool acknowledged, under its slot leases
+        if not await flush_until_stopped(self.writer, stop):
+            return
+        await asyncio.to_thread(self._retire_predecessor)
+        await self._poll_store()
+
     async def _schedule(self, stop: asyncio.Event) -> None:
         while not stop.is_set() and not self._reached_max_groups():
             if self._failure is not None:
@@ -235,6 +245,8 @@ class Collector:
             if room > 0:
                 if not self._leases:
                     self._leases = await self._claim(room, Split.TRAIN)
+                    if not self._leases:  # stopped while the store was slow to answer
+                        continue
                 lease = self._leases.pop(0)
                 self._launch(lease, Split.TRAIN, self.cc.group_size)
                 self._train_groups_started += 1
@@ -272,25 +284,32 @@ class Collector:
         """Slots from the store, as many as may start now (so none sits leased but idle).
 
         A failed claim (the store restarting, a deadlock victim on PostgreSQL, a DuckDB lock
-        timeout) is retried with backoff; a claim never half-succeeds (one transaction)."""
+        timeout) is retried with backoff; a claim never half-succeeds (one transaction). A stop
+        ends the wait at once with no slots (the call is abandoned: slots it may still lease
+        are freed when the collector stops, or when its heartbeat lapses)."""
         for attempt, wait_s in enumerate((0.5, 1.0, 2.0, 5.0, 10.0, None)):
             try:
-                return await asyncio.to_thread(
-                    self.store.claim_slots,
-                    run_id=self.run_id,
-                    collector_id=self.collector_id,
-                    tasks=self._ranked[split],
-                    ttl_s=self.cc.heartbeat_ttl_s,
-                    n=n,
-                    split=split,
-                    only=only,
-                )
+                done, leases = await unless_stopped(self._claim_once(n, split, only), self._stop)
+                return leases if done and leases is not None else []
             except Exception as e:
                 if wait_s is None or isinstance(e, TaskError):
                     raise
                 log.warning("slot claim failed (attempt %d): %s; retrying", attempt + 1, e)
-                await asyncio.sleep(wait_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), wait_s)
         raise AssertionError("unreachable")
+
+    async def _claim_once(self, n: int, split: Split, only: list[str] | None) -> list[SlotLease]:
+        return await asyncio.to_thread(
+            self.store.claim_slots,
+            run_id=self.run_id,
+            collector_id=self.collector_id,
+            tasks=self._ranked[split],
+            ttl_s=self.cc.heartbeat_ttl_s,
+            n=n,
+            split=split,
+            only=only,
+        )
 
     def _retire_predecessor(self) -> None:
         spool = getattr(self.writer, "spool", None)
@@ -472,7 +491,11 @@ class Collector:
         self._validated_version = version
         self._validation_rewards, self._validation_left = [], len(self.validation_tasks)
         for task in self.validation_tasks:
-            (lease,) = await self._claim(1, Split.VALIDATION, only=[task.task_id])
+            leases = await self._claim(1, Split.VALIDATION, only=[task.task_id])
+            if not leases:  # stopped
+                self._validation_left = 0
+                return
+            (lease,) = leases
             self._launch(lease, Split.VALIDATION, self.cc.validation_group_size)
 
     def _record_validation(self, group: GroupRecord) -> None:

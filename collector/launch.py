@@ -133,6 +133,7 @@ async def collect(
         else:
             started, local = await unless_stopped(start_run_servers(config, stack), stop)
             if not started or local is None:
+                log.info("stopped while the inference servers started")
                 return CollectorMetrics()
             servers = local
             urls = config.inference.server_urls or [s.url for s in servers]
@@ -161,6 +162,7 @@ async def collect(
         pool = ImagePools(config.sandbox, labels=labels)
         stack.push_async_callback(pool.close)
         if not (await unless_stopped(pool.start(), stop))[0]:
+            log.info("stopped while the sandbox pool started")
             return CollectorMetrics()
         collector = Collector(
             config,

@@ -84,8 +84,9 @@ async def flush_until_stopped(writer: Any, stop: asyncio.Event, *, step_s: float
 
 async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> tuple[bool, T | None]:
     """``(True, result)`` of ``work``, or ``(False, None)`` when ``stop`` is set first (then
-    ``work`` is cancelled). For start-up steps that take minutes (vLLM servers, the sandbox
-    pool's self-check): a SIGTERM then stops the collector at once."""
+    ``work`` is cancelled; a thread it waits on is abandoned). For start-up steps that take
+    minutes (vLLM servers, the sandbox pool's self-check) and store calls that may block (a
+    slot claim waiting on a locked store): a SIGTERM then stops the collector at once."""
     task = asyncio.ensure_future(work)
     stopper = asyncio.create_task(stop.wait())
     try:
@@ -96,7 +97,6 @@ async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> tuple[bool,
         return True, task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    log.info("stopped during start-up")
     return False, None
 
 

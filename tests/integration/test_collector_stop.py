@@ -215,7 +215,10 @@ def test_sigterm_with_the_store_locked_stops_within_the_drain_timeout(
         assert list(own_spool.glob("*.group")), "no group waited in the spool"
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=drain_s + 120)
+        try:
+            code = proc.wait(timeout=drain_s + 120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running:\n{log.read_text()[-4000:]}") from None
         elapsed = time.monotonic() - t0
         text = log.read_text()
         assert code == 0, text[-3000:]
