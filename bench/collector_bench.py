@@ -171,7 +171,7 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight
     store = FakeStore()
     writer = FakeWriter(store)
     collector = Collector(
-        config,
+        config.for_collector(),
         client=client,
         renderer=ChatRenderer(tokenizer, TOOL_SCHEMAS, action_format=args.action_format),
         store=store,

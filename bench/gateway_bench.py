@@ -99,11 +99,11 @@ async def measure(
     from sandpiper.collector.inference.base import SamplingParams
     from sandpiper.collector.inference.vllm_client import VLLMPolicyClient, generate_body
     from sandpiper.collector.render import ChatRenderer
+    from sandpiper.config import SamplingLimits
 
-    settings = GatewaySettings(
-        model_names=("policy",), temperature=0.0, max_tokens_per_turn=args.max_tokens,
-        context_limit=args.max_model_len,
-    )  # fmt: skip
+    settings = GatewaySettings(model_names=("policy",), sampling=SamplingLimits(
+        temperature=0.0, max_tokens_per_turn=args.max_tokens, context_limit=args.max_model_len,
+    ))  # fmt: skip
     gateway = Gateway(client=client, renderer=renderer, settings=settings)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=renderer.stop_token_ids
@@ -237,14 +237,14 @@ async def call_path_cpu(renderer, args, episodes: int) -> dict[str, float]:
     HTTP parsing), and per episode close (the deferred re-tokenization checks)."""
     from sandpiper.collector.gateway.server import Gateway, GatewaySettings
     from sandpiper.collector.tools import offered_schemas
+    from sandpiper.config import SamplingLimits
 
     tools = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")
     reply = renderer.encode('<tool_call>\n{"name": "execute_bash", "arguments": '
                             '{"command": "ls"}}\n</tool_call>') + list(renderer.stop_token_ids)  # fmt: skip
-    settings = GatewaySettings(
-        model_names=("policy",), temperature=0.0, max_tokens_per_turn=args.max_tokens,
-        context_limit=args.max_model_len,
-    )  # fmt: skip
+    settings = GatewaySettings(model_names=("policy",), sampling=SamplingLimits(
+        temperature=0.0, max_tokens_per_turn=args.max_tokens, context_limit=args.max_model_len,
+    ))  # fmt: skip
     gateway = Gateway(client=StubClient(reply), renderer=renderer, settings=settings)
     call_cpu = close_cpu = 0.0
     n_calls = 0

@@ -54,12 +54,12 @@ class SandboxRuntime:
             pool = ImagePools(sandbox, labels={"sandpiper.run": config.name})
             self.run(pool.start())
         self.pool = pool
-        cc = config.collector
         self.make_toolbox = default_toolbox_factory(
             exec_timeout_s=config.sandbox.exec_timeout_s,
-            test_timeout_s=cc.test_timeout_s,
-            max_argument_bytes=cc.max_argument_bytes,
+            test_timeout_s=config.collector.test_timeout_s,
         )
+        self.max_argument_bytes = config.collector.max_argument_bytes
+        """Checked before the toolbox runs a call, as the collector's parser does."""
 
     def run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -145,7 +145,14 @@ class SandboxEnv:
         self._toolbox = RUNTIME.make_toolbox(self._sandbox, task)
 
     async def _acall(self, name: str, arguments: dict[str, Any]) -> Any:
+        from sandpiper.collector.parsers import checked_call
+        from sandpiper.collector.tools.base import ToolResult
+
         await self._ready  # raises what preparing raised: the call fails, as TRL reports it
+        assert RUNTIME is not None
+        call = checked_call(name, arguments, RUNTIME.max_argument_bytes)
+        if not call.ok:  # too large (or not storable): refused as the collector refuses it
+            return ToolResult(call.error or "", call.error_kind)
         return await self._toolbox.call(name, arguments)
 
     def _finish(self, *, answer: str | None, test_reward: float | None, submitted: bool) -> None:

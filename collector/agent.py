@@ -39,29 +39,17 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from sandpiper.collector.parsers import (
-    DEFAULT_MAX_ARGUMENT_BYTES,
-    ParsedToolCall,
-    ToolFormat,
-    submission_answer,
-    system_prompt_for,
-)
-from sandpiper.collector.policy import Policy, PolicyLimits, PolicySession, Stopped
+from sandpiper.collector.parsers import ParsedToolCall, submission_answer, system_prompt_for
+from sandpiper.collector.policy import Policy, PolicySession, Stopped
 from sandpiper.collector.sandbox.base import ExecOutcome, ToolSandbox
 from sandpiper.collector.scoring import score_answer
 from sandpiper.collector.tasks import DEFAULT_TESTS_DEST, Task
 from sandpiper.collector.tools.base import ToolResult
-from sandpiper.config import (
-    CollectorConfig,
-    CollectorSettings,
-    InferenceConfig,
-    RunConfig,
-    collector_settings,
-)
+from sandpiper.config import SamplingLimits
 from sandpiper.errors import SandboxError, SandboxLostError, SandpiperError, TaskError
 from sandpiper.store.records import (
     INFRA_STOPS,
@@ -104,48 +92,6 @@ class SandboxSource(Protocol):
     async def release(self, sandbox: Any, *, broken: bool = False) -> None: ...
 
 
-_COLLECTOR, _INFERENCE = CollectorConfig(), InferenceConfig()
-"""The config's defaults: the one source of the defaults below."""
-
-
-@dataclass(frozen=True, slots=True)
-class EpisodeLimits:
-    """Per-episode limits and sampling settings (from ``CollectorConfig``)."""
-
-    max_turns: int = _COLLECTOR.max_turns
-    max_tokens_per_turn: int = _COLLECTOR.max_tokens_per_turn
-    max_episode_tokens: int = _COLLECTOR.max_episode_tokens
-    """Budget of sampled (completion) tokens over all turns."""
-    context_limit: int = _INFERENCE.max_model_len
-    """Maximum tokens in the context (prompt + all segments): the server's max_model_len."""
-    temperature: float = _COLLECTOR.temperature
-    top_p: float = _COLLECTOR.top_p
-    tool_format: ToolFormat = _COLLECTOR.tool_parser
-    max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES
-    system_prompt: str = SYSTEM_PROMPT
-
-    @classmethod
-    def from_config(cls, config: CollectorSettings | RunConfig) -> EpisodeLimits:
-        """The limits of the collector's settings (training and evaluation use the same ones)."""
-        config = collector_settings(config)
-        cc = config.collector
-        return cls(
-            max_turns=cc.max_turns,
-            max_tokens_per_turn=cc.max_tokens_per_turn,
-            max_episode_tokens=cc.max_episode_tokens,
-            context_limit=config.inference.max_model_len,
-            temperature=cc.temperature,
-            top_p=cc.top_p,
-            tool_format=cc.tool_parser,
-            max_argument_bytes=cc.max_argument_bytes,
-            **({"system_prompt": cc.system_prompt} if cc.system_prompt else {}),
-        )
-
-    def policy_limits(self) -> PolicyLimits:
-        """The sampling settings and budgets the policy needs (its fields, taken from these)."""
-        return PolicyLimits(**{f.name: getattr(self, f.name) for f in fields(PolicyLimits)})
-
-
 @dataclass(slots=True)
 class _State:
     """Mutable bookkeeping of one running episode."""
@@ -163,10 +109,7 @@ class _State:
 
 
 def default_toolbox_factory(
-    *,
-    exec_timeout_s: float,
-    test_timeout_s: float,
-    max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
+    *, exec_timeout_s: float, test_timeout_s: float
 ) -> ToolboxFactory:  # pragma: no cover - thin wiring around the tools package
     def make(sandbox: ToolSandbox, task: Task) -> ToolRunner:
         from sandpiper.collector.tools import Toolbox
@@ -183,7 +126,6 @@ def default_toolbox_factory(
             tests_import_workspace=task.format == "open_instruct",
             test_timeout_s=test_timeout_s,
             exec_timeout_s=exec_timeout_s,
-            max_argument_bytes=max_argument_bytes,
         )
 
     return make
@@ -216,7 +158,7 @@ async def run_episode(
     policy: Policy,
     sandbox: ToolSandbox,
     toolbox: ToolRunner,
-    limits: EpisodeLimits,
+    limits: SamplingLimits,
 ) -> EpisodeRecord:
     """Run one episode to its end and return its record (never raises for data failures).
 
@@ -228,7 +170,7 @@ async def run_episode(
         {
             "role": "system",
             "content": task.system_prompt
-            or system_prompt_for(limits.tool_format, limits.system_prompt),
+            or system_prompt_for(limits.tool_format, limits.system_prompt or SYSTEM_PROMPT),
         },
         {"role": "user", "content": task.instruction},
     ]
@@ -236,7 +178,7 @@ async def run_episode(
     trainable = True
     acting = False  # True once the agent's turns run: a broken sandbox is then its outcome
     try:
-        session = policy.session(messages, limits.policy_limits())
+        session = policy.session(messages, limits)
         trainable = session.trainable
         state.turns.append(session.prompt_turn(started_at))
         task.check()
@@ -280,7 +222,7 @@ async def run_pooled_episode(
     task: Task,
     policy: Policy,
     make_toolbox: ToolboxFactory,
-    limits: EpisodeLimits,
+    limits: SamplingLimits,
     run: EpisodeFn | None = None,
 ) -> EpisodeRecord:
     """Take a sandbox for ``task`` from ``pool``, run the episode, give the sandbox back.
@@ -359,7 +301,7 @@ async def _loop(
     state: _State,
     session: PolicySession,
     toolbox: ToolRunner,
-    limits: EpisodeLimits,
+    limits: SamplingLimits,
     offered: set[str],
 ) -> None:
     for _ in range(limits.max_turns):

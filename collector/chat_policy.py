@@ -18,7 +18,8 @@ import httpx
 
 from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
 from sandpiper.collector.parsers import ParsedToolCall, parse_tool_calls
-from sandpiper.collector.policy import PolicyLimits, Reply, Stopped, assistant_record, text_turn
+from sandpiper.collector.policy import Reply, Stopped, assistant_record, text_turn
+from sandpiper.config import SamplingLimits
 from sandpiper.errors import InferenceError, SandpiperError
 from sandpiper.store.records import Role, StopReason, ToolCallRecord, ToolErrorKind, TurnRecord
 
@@ -76,7 +77,7 @@ class ChatPolicy:
         self.endpoint = endpoint
         self.tools = [dict(t) for t in tool_schemas]
 
-    def session(self, messages: list[dict[str, Any]], limits: PolicyLimits) -> ChatSession:
+    def session(self, messages: list[dict[str, Any]], limits: SamplingLimits) -> ChatSession:
         return ChatSession(self.endpoint, self.tools, messages, limits)
 
 
@@ -90,7 +91,7 @@ class ChatSession:
         endpoint: ChatEndpoint,
         tools: list[dict[str, Any]],
         messages: list[dict[str, Any]],
-        limits: PolicyLimits,
+        limits: SamplingLimits,
     ) -> None:
         self.endpoint, self.tools, self.limits = endpoint, tools, limits
         self.messages = [dict(m) for m in messages]
@@ -165,7 +166,7 @@ class ChatSession:
 
 
 def _api_calls(
-    api_calls: list[Any], limits: PolicyLimits
+    api_calls: list[Any], limits: SamplingLimits
 ) -> tuple[list[ParsedToolCall], list[str], str]:
     """Parse API tool calls with the training parser (same errors, same argument limits)."""
     calls, ids, rendered = [], [], []

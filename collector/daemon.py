@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from sandpiper.collector.agent import EpisodeLimits, ToolboxFactory, run_pooled_episode
+from sandpiper.collector.agent import ToolboxFactory, run_pooled_episode
 from sandpiper.collector.gateway.external import agent_command, run_external_episode
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.inference.base import Generation, PolicyClient, SamplingParams
@@ -61,7 +61,7 @@ from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.shutdown import final_commit, flush_until_stopped, unless_stopped
 from sandpiper.collector.status import CollectorMetrics
 from sandpiper.collector.tasks import Task
-from sandpiper.config import CollectorSettings, RunConfig, collector_settings
+from sandpiper.config import CollectorSettings
 from sandpiper.errors import SandpiperError, StoreError, TaskError
 from sandpiper.store.records import (
     EpisodeRecord,
@@ -121,7 +121,7 @@ class Collector:
 
     def __init__(
         self,
-        config: CollectorSettings | RunConfig,
+        config: CollectorSettings,
         *,
         client: PolicyClient,
         renderer: ChatRenderer,
@@ -134,7 +134,6 @@ class Collector:
         report: Callable[[dict[str, Any]], None] | None = None,
         gateway: Gateway | None = None,
     ) -> None:
-        config = collector_settings(config)
         cc = config.collector
         self.config, self.cc = config, cc
         self.run_id = config.name
@@ -161,7 +160,9 @@ class Collector:
         """Set by a stop (the event :meth:`run` was given): store waits end at once."""
         writer.on_outcome = self._on_outcome
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.limits = EpisodeLimits.from_config(config)
+        self.limits = config.sampling
+        """The run's sampling, read once: every episode, the gateway and the groups' record."""
+        self._group_sampling = GroupSampling.from_limits(self.limits)
         self.max_unconsumed = (
             cc.max_unconsumed_groups
             if cc.max_unconsumed_groups is not None
@@ -385,18 +386,6 @@ class Collector:
 
         runner.add_done_callback(finished)
 
-    def _sampling(self) -> GroupSampling:
-        limits = self.limits
-        return GroupSampling(
-            temperature=limits.temperature,
-            top_p=limits.top_p,
-            max_tokens_per_turn=limits.max_tokens_per_turn,
-            max_turns=limits.max_turns,
-            max_episode_tokens=limits.max_episode_tokens,
-            context_limit=limits.context_limit,
-            tool_format=limits.tool_format,
-        )
-
     async def _group(self, task: Task, split: Split, size: int, lease: SlotLease) -> None:
         try:
             episodes = await asyncio.gather(*(self._episode(task, i) for i in range(size)))
@@ -405,7 +394,7 @@ class Collector:
                 run_id=self.run_id,
                 task_id=task.task_id,
                 split=split,
-                sampling_params=self._sampling(),
+                sampling_params=self._group_sampling,
                 episodes=tuple(episodes),
                 collector_id=self.collector_id,
                 slot_lease=lease.lease,
@@ -438,9 +427,7 @@ class Collector:
     def _gateway(self) -> Gateway:
         """The gateway external-agent tasks talk to: this collector's client, renderer and
         sampling, so its episodes are sampled exactly like native ones."""
-        settings = GatewaySettings.from_limits(
-            self.limits, run_id=self.run_id, sampling_policy=self.cc.gateway_sampling
-        )
+        settings = GatewaySettings.for_run(self.limits, run_id=self.run_id)
         return Gateway(client=self.client, renderer=self.renderer, settings=settings)
 
     async def _episode_in_sandbox(self, task: Task, index: int) -> EpisodeRecord:

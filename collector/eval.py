@@ -16,17 +16,17 @@ import uuid
 
 from sandpiper.collector.chat_policy import ChatEndpoint, ChatPolicy
 from sandpiper.collector.tasks import Task
-from sandpiper.config import CollectorSettings, RunConfig, collector_settings
+from sandpiper.config import CollectorSettings
 from sandpiper.store.records import EpisodeRecord
 
 __all__ = ["ChatEndpoint", "evaluate"]
 
 
 async def evaluate(
-    config: CollectorSettings | RunConfig, *, endpoint_url: str, model: str, api_key: str | None
+    config: CollectorSettings, *, endpoint_url: str, model: str, api_key: str | None
 ) -> int:
     """Run every task once (see the module docstring); returns the number of groups stored."""
-    from sandpiper.collector.agent import EpisodeLimits, default_toolbox_factory, run_pooled_episode
+    from sandpiper.collector.agent import default_toolbox_factory, run_pooled_episode
     from sandpiper.collector.journal import SeqJournal
     from sandpiper.collector.run_setup import open_store
     from sandpiper.collector.sandbox.images import ImagePools
@@ -34,8 +34,7 @@ async def evaluate(
     from sandpiper.collector.tools import offered_schemas
     from sandpiper.store.records import GroupRecord, GroupSampling, Split
 
-    config = collector_settings(config)
-    cc = config.collector
+    cc, limits = config.collector, config.sampling
     tasks = load_tasks(
         cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed
     )
@@ -43,13 +42,10 @@ async def evaluate(
     await asyncio.to_thread(store.upsert_tasks, [t.to_record() for t in tasks])
     journal = SeqJournal(config.run_dir / "collector_journal.json")
     make_toolbox = default_toolbox_factory(
-        exec_timeout_s=config.sandbox.exec_timeout_s,
-        test_timeout_s=cc.test_timeout_s,
-        max_argument_bytes=cc.max_argument_bytes,
+        exec_timeout_s=config.sandbox.exec_timeout_s, test_timeout_s=cc.test_timeout_s
     )
     chat = ChatEndpoint(endpoint_url, model, api_key=api_key)
     policy = ChatPolicy(chat, offered_schemas(cc.tools, cc.tool_descriptions))
-    limits = EpisodeLimits.from_config(config)
     pool = ImagePools(config.sandbox, labels={"sandpiper.run": config.name})
     await pool.start()
     slots = asyncio.Semaphore(cc.max_concurrent_episodes)
@@ -69,7 +65,7 @@ async def evaluate(
         )
         record = GroupRecord(
             group_id=group_id, run_id=config.name, task_id=task.task_id, split=Split.VALIDATION,
-            sampling_params=GroupSampling(temperature=cc.temperature, top_p=cc.top_p, endpoint=endpoint_url, model=model),
+            sampling_params=GroupSampling(temperature=limits.temperature, top_p=limits.top_p, endpoint=endpoint_url, model=model),
             episodes=tuple(episodes),
         )  # fmt: skip
         await asyncio.to_thread(writer.put, record)

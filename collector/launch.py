@@ -38,7 +38,7 @@ from sandpiper.collector.shutdown import (
     unless_stopped,
 )
 from sandpiper.collector.status import CollectorMetrics
-from sandpiper.config import CollectorSettings, RunConfig, collector_settings
+from sandpiper.config import CollectorSettings
 from sandpiper.errors import ConfigError
 from sandpiper.store.slots import default_host
 
@@ -66,7 +66,7 @@ class _RecordingClient:
 
 
 async def collect(
-    config: CollectorSettings | RunConfig,
+    config: CollectorSettings,
     *,
     stop: asyncio.Event,
     live_status: bool | None = None,
@@ -88,7 +88,6 @@ async def collect(
     from sandpiper.collector.status import StatusReporter
     from sandpiper.collector.tasks import load_tasks
 
-    config = collector_settings(config)
     cc, run_dir = config.collector, config.run_dir
     tasks = load_tasks(
         cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed
@@ -172,9 +171,7 @@ async def collect(
             writer=writer,
             pool=pool,
             toolbox_factory=default_toolbox_factory(
-                exec_timeout_s=config.sandbox.exec_timeout_s,
-                test_timeout_s=cc.test_timeout_s,
-                max_argument_bytes=cc.max_argument_bytes,
+                exec_timeout_s=config.sandbox.exec_timeout_s, test_timeout_s=cc.test_timeout_s
             ),
             tasks=tasks,
             collector_id=collector_id,
@@ -184,7 +181,7 @@ async def collect(
         return await collector.run(stop)
 
 
-def run_collector_process(config: CollectorSettings | RunConfig) -> CollectorMetrics:
+def run_collector_process(config: CollectorSettings) -> CollectorMetrics:
     """``sandpiper collect``: run the collector in this process until SIGTERM or SIGINT.
     Returns its metrics once stopped; store calls still blocked then are not waited for
     (call :func:`sandpiper.collector.shutdown.exit_now_if_stuck` after reporting)."""

@@ -50,22 +50,20 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from sandpiper.config import CollectorConfig
+from sandpiper.config import SamplingLimits
+from sandpiper.config import ToolFormat as ToolFormat  # the action formats are the config's
 from sandpiper.store.records import ToolErrorKind
-
-ToolFormat = Literal["hermes", "qwen3_coder", "bash_block"]
-"""How the policy writes actions: tool-call markup (``hermes``, ``qwen3_coder``: schemas in
-the prompt through the chat template) or plain fenced bash (``bash_block``)."""
 
 SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 """bash_block: the first output line that ends the episode (mini-swe-agent's convention)."""
 
-DEFAULT_MAX_ARGUMENT_BYTES: int = CollectorConfig.model_fields["max_argument_bytes"].default
+DEFAULT_MAX_ARGUMENT_BYTES: int = SamplingLimits().max_argument_bytes
 """Arguments larger than this (UTF-8 bytes of their JSON) are refused, not run: the
-config's default (``collector.max_argument_bytes``), the one source of the limit for the
-parsers, the API path, the toolbox and the gateway."""
+config's default (``collector.max_argument_bytes``). A run passes its own
+``SamplingLimits.max_argument_bytes``; :func:`check_call_size` is the one check of it
+(every parser's last step; the toolbox runs only calls that passed it)."""
 MAX_ARGUMENT_DEPTH = 16
 """Arguments nested deeper than this (objects and arrays) are refused: no tool takes more
 than 2 levels, and deep nesting costs recursion in every JSON encoder downstream."""
@@ -342,6 +340,13 @@ def check_call_size(call: ParsedToolCall, max_bytes: int) -> ParsedToolCall:
     ``max_bytes`` of JSON, nested too deep, not finite, not valid Unicode (every parser's
     last check)."""
     return _check_size(call, max_bytes)
+
+
+def checked_call(name: str, arguments: dict[str, Any], max_bytes: int) -> ParsedToolCall:
+    """A call given as a name and arguments rather than written in text (an external agent's
+    command through the gateway, a trainer's tool call), checked as a parsed call is: the
+    toolbox runs only calls that passed :func:`check_call_size`."""
+    return _check_size(_parsed(name, arguments, ""), max_bytes)
 
 
 def _check_size(call: ParsedToolCall, max_bytes: int) -> ParsedToolCall:

@@ -29,37 +29,13 @@ import numpy as np
 
 from sandpiper.collector.inference.base import PolicyClient, SamplingParams
 from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
-from sandpiper.collector.parsers import (
-    DEFAULT_MAX_ARGUMENT_BYTES,
-    ParsedToolCall,
-    ToolFormat,
-    parse_tool_calls,
-)
+from sandpiper.collector.parsers import ParsedToolCall, parse_tool_calls
 from sandpiper.collector.render import ChatRenderer
-from sandpiper.config import CollectorConfig, InferenceConfig
+from sandpiper.config import SamplingLimits
 from sandpiper.errors import SandpiperError
 from sandpiper.store.records import Role, StopReason, ToolCallRecord, TurnRecord
 
 _NO_IDS = np.zeros(0, dtype=np.int32)
-
-
-_COLLECTOR, _INFERENCE = CollectorConfig(), InferenceConfig()
-"""The config's defaults: the one source of the defaults below."""
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyLimits:
-    """Sampling settings and token budgets of one episode (from ``EpisodeLimits``)."""
-
-    max_tokens_per_turn: int = _COLLECTOR.max_tokens_per_turn
-    max_episode_tokens: int = _COLLECTOR.max_episode_tokens
-    """Budget of sampled (completion) tokens over all turns."""
-    context_limit: int = _INFERENCE.max_model_len
-    """Maximum tokens in the context (token mode: prompt + all segments)."""
-    temperature: float = _COLLECTOR.temperature
-    top_p: float = _COLLECTOR.top_p
-    tool_format: ToolFormat = _COLLECTOR.tool_parser
-    max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +99,7 @@ class Policy(Protocol):
     tools: list[dict[str, Any]]
     """Tool schemas offered to the model; calls to any other tool are refused."""
 
-    def session(self, messages: list[dict[str, Any]], limits: PolicyLimits) -> PolicySession: ...
+    def session(self, messages: list[dict[str, Any]], limits: SamplingLimits) -> PolicySession: ...
 
 
 # ---- token-in / token-out (training) ------------------------------------------------------
@@ -137,7 +113,7 @@ class TokenPolicy:
         self.renderer = renderer
         self.tools = renderer.tools
 
-    def session(self, messages: list[dict[str, Any]], limits: PolicyLimits) -> TokenSession:
+    def session(self, messages: list[dict[str, Any]], limits: SamplingLimits) -> TokenSession:
         return TokenSession(self.client, self.renderer, messages, limits)
 
 
@@ -151,7 +127,7 @@ class TokenSession:
         client: PolicyClient,
         renderer: ChatRenderer,
         messages: list[dict[str, Any]],
-        limits: PolicyLimits,
+        limits: SamplingLimits,
     ) -> None:
         self.client, self.renderer, self.limits = client, renderer, limits
         self.prompt_ids = renderer.prompt_ids(messages)

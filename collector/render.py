@@ -49,7 +49,7 @@ from sandpiper.collector.parsers import ToolFormat, format_observation
 from sandpiper.errors import ConfigError, InferenceError
 
 if TYPE_CHECKING:
-    from sandpiper.config import CollectorSettings, RunConfig
+    from sandpiper.config import CollectorSettings
 
 _PROBE = "\u2063probe\u2063"
 """Assistant content of the probe conversation (invisible separators: cannot collide)."""
@@ -397,12 +397,9 @@ def read_chat_template(path: str | None) -> str | None:
         raise ConfigError(f"inference.chat_template: cannot read {path}: {e}") from None
 
 
-def renderer_for(tokenizer: Any, config: CollectorSettings | RunConfig) -> ChatRenderer:
+def renderer_for(tokenizer: Any, config: CollectorSettings) -> ChatRenderer:
     """The renderer a run's config asks for: offered tools, template and action format."""
     from sandpiper.collector.tools import offered_schemas
-    from sandpiper.config import collector_settings
-
-    config = collector_settings(config)
 
     cc = config.collector
     return ChatRenderer(

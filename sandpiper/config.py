@@ -34,8 +34,10 @@ from sandpiper.config_parts import (
     CollectorConfig,
     InferenceConfig,
     LearnerConfig,
+    SamplingLimits,
     SandboxConfig,
     StoreConfig,
+    ToolFormat,
     ToolName,
     TrackingConfig,
     _Part,
@@ -49,12 +51,12 @@ __all__ = [
     "LearnerConfig",
     "LearnerSettings",
     "RunConfig",
+    "SamplingLimits",
     "SandboxConfig",
     "StoreConfig",
+    "ToolFormat",
     "ToolName",
     "TrackingConfig",
-    "collector_settings",
-    "learner_settings",
     "load_config",
     "parse_overrides",
     "to_toml",
@@ -122,17 +124,6 @@ class RunConfig(_Part):
         }
 
 
-def collector_settings(config: RunConfig | CollectorSettings) -> CollectorSettings:
-    """The collector's settings; the collector's entry points also take a whole
-    :class:`RunConfig` (as they did before the parts were given only their own settings)."""
-    return config if isinstance(config, CollectorSettings) else config.for_collector()
-
-
-def learner_settings(config: RunConfig | LearnerSettings) -> LearnerSettings:
-    """The learner's settings (its entry points also take a whole :class:`RunConfig`)."""
-    return config if isinstance(config, LearnerSettings) else config.for_learner()
-
-
 class _Settings(BaseModel):
     """What one part is given: the run's identity, the store, and its own sections.
 
@@ -164,6 +155,13 @@ class CollectorSettings(_Settings):
     ``groups_per_step × (max_lag + 1)`` unconsumed groups."""
     max_lag: int = Field(ge=0)
     """``learner.max_lag``, the one setting of both parts."""
+
+    @property
+    def sampling(self) -> SamplingLimits:
+        """How this run's episodes are sampled and bounded. The collector, the gateway and
+        evaluation each read it once where they start and hand that object down (computed
+        from the sections, so it never disagrees with them)."""
+        return SamplingLimits.from_config(self.collector, self.inference)
 
 
 class LearnerSettings(_Settings):

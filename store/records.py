@@ -19,9 +19,12 @@ import itertools
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from sandpiper.config_parts import SamplingLimits
 
 
 def utcnow() -> datetime:
@@ -290,6 +293,21 @@ class GroupSampling:
     """Evaluation of an external OpenAI-compatible endpoint: its URL."""
     model: str | None = None
     """Evaluation of an external endpoint: the model name asked for."""
+
+    @classmethod
+    def from_limits(cls, limits: SamplingLimits) -> GroupSampling:
+        """The record of episodes sampled under ``limits`` (the collector's and the gateway's
+        groups): the run's one :class:`~sandpiper.config_parts.SamplingLimits`, stored in
+        this record's own JSON form (which earlier releases' values still read into)."""
+        return cls(
+            temperature=limits.temperature,
+            top_p=limits.top_p,
+            max_tokens_per_turn=limits.max_tokens_per_turn,
+            max_turns=limits.max_turns,
+            max_episode_tokens=limits.max_episode_tokens,
+            context_limit=limits.context_limit,
+            tool_format=limits.tool_format,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None}

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sandpiper.config import LearnerSettings, RunConfig, learner_settings
+from sandpiper.config import LearnerSettings
 from sandpiper.errors import LearnerError, NotLeaderError, PolicyConflictError, StoreError
 from sandpiper.store.records import Fence, LeaseRecord, PolicyRecord, TrainBatch, TrainEpisode
 from sandpiper.store.step_metrics import StepMetrics
@@ -107,18 +107,14 @@ class LearnerStore(Protocol):
     ) -> None: ...  # fmt: skip
 
 
-def checkpoint_dir(cfg: LearnerSettings | RunConfig) -> Path:
-    cfg = learner_settings(cfg)
+def checkpoint_dir(cfg: LearnerSettings) -> Path:
     return Path(cfg.learner.checkpoint_dir or cfg.run_dir / "policies")
 
 
 class Learner:
     """Holds the engine and the current policy version; :meth:`run` is the main loop."""
 
-    def __init__(
-        self, cfg: LearnerSettings | RunConfig, store: LearnerStore | None, world: World
-    ) -> None:
-        cfg = learner_settings(cfg)
+    def __init__(self, cfg: LearnerSettings, store: LearnerStore | None, world: World) -> None:
         self.cfg, self.lc, self.store, self.world = cfg, cfg.learner, store, world
         self.run_id = cfg.name
         # Unique per process: a restarted learner is a new learner, never one that could

@@ -13,20 +13,14 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sandpiper.config import (
-    LearnerSettings,
-    RunConfig,
-    learner_settings,
-    load_config,
-    write_resolved,
-)
+from sandpiper.config import LearnerSettings, load_config, write_resolved
 from sandpiper.version import code_version
 
 if TYPE_CHECKING:  # torch is imported late: `sandpiper --help` stays fast
     from sandpiper.trainer.engine import World
 
 
-def run_learner(cfg: LearnerSettings | RunConfig) -> int:
+def run_learner(cfg: LearnerSettings) -> int:
     """Run GRPO (until ``max_steps`` / ``max_idle_s``) or one SFT pass; returns steps done."""
     from sandpiper.trainer.engine import init_distributed, shutdown_distributed
 
@@ -46,8 +40,7 @@ def run_learner(cfg: LearnerSettings | RunConfig) -> int:
         shutdown_distributed(clean=clean)
 
 
-def _run(cfg: LearnerSettings | RunConfig, world: World) -> int:
-    cfg = learner_settings(cfg)
+def _run(cfg: LearnerSettings, world: World) -> int:
     _log_to_stderr()
 
     from sandpiper.store import Store

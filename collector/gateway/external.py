@@ -43,11 +43,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sandpiper.collector.agent import EpisodeLimits, ToolRunner, finish_episode, prepare_sandbox
+from sandpiper.collector.agent import ToolRunner, finish_episode, prepare_sandbox
 from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.server import Gateway
+from sandpiper.collector.parsers import checked_call
 from sandpiper.collector.sandbox.base import ToolSandbox
 from sandpiper.collector.tasks import Task
+from sandpiper.config import SamplingLimits
 from sandpiper.errors import SandboxError, SandpiperError, TaskError
 from sandpiper.store.records import INFRA_STOPS, EpisodeRecord, StopReason, ToolErrorKind, utcnow
 
@@ -75,7 +77,7 @@ async def run_external_episode(
     gateway: Gateway,
     sandbox: ToolSandbox,
     toolbox: ToolRunner,
-    limits: EpisodeLimits,
+    limits: SamplingLimits,
 ) -> EpisodeRecord:
     """Run the task's agent command against ``sandbox`` through ``gateway``; never raises for
     data failures (they are the record's stop reason)."""
@@ -108,7 +110,7 @@ async def run_external_episode(
             )  # fmt: skip
         url = gateway.open_episode(
             episode_id,
-            exec_fn=_exec_via(toolbox),
+            exec_fn=_exec_via(toolbox, limits.max_argument_bytes),
             max_calls=limits.max_turns,
             max_completion_tokens=limits.max_episode_tokens,
         )
@@ -205,8 +207,12 @@ async def _run_agent(
                 await proc.wait()
 
 
-def _exec_via(toolbox: ToolRunner):
+def _exec_via(toolbox: ToolRunner, max_argument_bytes: int):
     async def run(command: str, timeout_s: float) -> dict[str, Any]:
+        call = checked_call("execute_bash", {"command": command}, max_argument_bytes)
+        if not call.ok:  # refused as a native call of this size is: never run
+            return {"output": call.error, "returncode": -1, "timed_out": False,
+                    "error_kind": str(call.error_kind)}  # fmt: skip
         result = await toolbox.call("execute_bash", {"command": command})
         return {
             "output": result.output,

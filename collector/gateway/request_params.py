@@ -5,8 +5,8 @@ its request's sampling fields into one :class:`RequestParams` (:func:`chat_param
 OpenAI chat and completions bodies; another API builds it from its own names, passing
 ``names`` so that errors name the field the client sent, e.g. ``stop_sequences``). Then:
 
-- :meth:`RequestParams.check` applies the run's **sampling policy** (:class:`RunSampling`,
-  ``collector.gateway_sampling``) before anything reaches the model. Under ``"run"`` (the
+- :meth:`RequestParams.check` applies the run's **sampling policy**
+  (``SamplingLimits.gateway_sampling``, from ``collector.gateway_sampling``) before anything reaches the model. Under ``"run"`` (the
   default, for training) every call samples with the run's ``temperature`` and ``top_p``: a
   request asking for other values, or for a ``seed``, is refused with HTTP 400 saying why (a
   training sample must come from the distribution the learner corrects for; a fixed seed
@@ -32,16 +32,13 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from sandpiper.collector.gateway.openai_api import APIError
 from sandpiper.collector.inference.base import Generation, SamplingParams
+from sandpiper.config import SamplingLimits
 
 log = logging.getLogger(__name__)
-
-SamplingPolicy = Literal["run", "client"]
-"""``run``: every call samples with the run's settings (other values are refused);
-``client``: a request's ``temperature``, ``top_p`` and ``seed`` are honoured."""
 
 MAX_TOP_LOGPROBS = 20
 """OpenAI's limit for ``top_logprobs``, and vLLM's default ``--max-logprobs``."""
@@ -57,15 +54,6 @@ HARMLESS = frozenset(
 """Fields that change nothing about the sample (or are honoured elsewhere): accepted."""
 
 _NOTED: set[str] = set()
-
-
-@dataclass(frozen=True, slots=True)
-class RunSampling:
-    """The run's sampling settings and whether clients may change them."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    policy: SamplingPolicy = "run"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +80,9 @@ class RequestParams:
     def name(self, attribute: str) -> str:
         return self.names.get(attribute, attribute)
 
-    def check(self, run: RunSampling) -> None:
+    def check(self, run: SamplingLimits) -> None:
         """Refuse what the run's sampling policy does not allow (HTTP 400, saying why)."""
-        if run.policy == "client":
+        if run.gateway_sampling == "client":
             return
         for attribute, ours in (("temperature", run.temperature), ("top_p", run.top_p)):
             asked = getattr(self, attribute)
@@ -116,10 +104,10 @@ class RequestParams:
             )
 
     def sampling_params(
-        self, run: RunSampling, *, max_tokens: int, stop_token_ids: Sequence[int]
+        self, run: SamplingLimits, *, max_tokens: int, stop_token_ids: Sequence[int]
     ) -> SamplingParams:
         """The vLLM request of this call (``max_tokens`` already capped by the budgets)."""
-        honour = run.policy == "client"
+        honour = run.gateway_sampling == "client"
         temperature = self.temperature if honour and self.temperature is not None else None
         top_p = self.top_p if honour and self.top_p is not None else None
         return SamplingParams(

@@ -53,8 +53,6 @@ from sandpiper.collector.gateway import openai_api as api
 from sandpiper.collector.gateway.assembly import call_id
 from sandpiper.collector.gateway.request_params import (
     RequestParams,
-    RunSampling,
-    SamplingPolicy,
     chat_params,
     cut_at_stop,
     log_request,
@@ -63,8 +61,9 @@ from sandpiper.collector.gateway.request_params import (
 from sandpiper.collector.gateway.session import BudgetSpent, EpisodeSession
 from sandpiper.collector.inference.base import Generation, PolicyClient
 from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
-from sandpiper.collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES, ParsedMessage, ToolFormat
+from sandpiper.collector.parsers import ParsedMessage
 from sandpiper.collector.render import ChatRenderer
+from sandpiper.config import SamplingLimits
 from sandpiper.errors import InferenceError
 from sandpiper.store.records import utcnow
 
@@ -82,37 +81,19 @@ ExecFn = Callable[[str, float], Awaitable[dict[str, Any]]]
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
+    """What the gateway answers to and how it samples."""
+
     model_names: tuple[str, ...]
     """Names a client may ask for (the first is listed by ``/models``)."""
-    tool_format: ToolFormat = "hermes"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens_per_turn: int = 256
-    context_limit: int = 2048
-    max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES
-    sampling_policy: SamplingPolicy = "run"
-    """Whether a request's temperature, top_p and seed are refused (``run``) or honoured
-    (``client``): ``collector.gateway_sampling``, see :mod:`.request_params`."""
-
-    @property
-    def run_sampling(self) -> RunSampling:
-        return RunSampling(self.temperature, self.top_p, self.sampling_policy)
+    sampling: SamplingLimits = SamplingLimits()  # noqa: RUF009 (frozen: shared safely)
+    """The run's sampling, the same object its native episodes get: action format,
+    temperature and top_p (and whether a request may change them, ``gateway_sampling``),
+    the per-reply and context caps, the argument byte limit."""
 
     @classmethod
-    def from_limits(
-        cls, limits: Any, *, run_id: str, sampling_policy: SamplingPolicy = "run"
-    ) -> GatewaySettings:
-        """The gateway samples exactly like the native loop: the run's ``EpisodeLimits``."""
-        return cls(
-            sampling_policy=sampling_policy,
-            model_names=(GATEWAY_MODEL_NAME, run_id),
-            tool_format=limits.tool_format,
-            temperature=limits.temperature,
-            top_p=limits.top_p,
-            max_tokens_per_turn=limits.max_tokens_per_turn,
-            context_limit=limits.context_limit,
-            max_argument_bytes=limits.max_argument_bytes,
-        )
+    def for_run(cls, sampling: SamplingLimits, *, run_id: str) -> GatewaySettings:
+        """A run's gateway: it samples exactly like the run's native loop."""
+        return cls(model_names=(GATEWAY_MODEL_NAME, run_id), sampling=sampling)
 
 
 class _Episode:
@@ -303,7 +284,7 @@ class Gateway:
         api.check_common(body, self.settings.model_names)
         note_ignored(body, known=api.KNOWN)
         params = chat_params(body, completions=not chat)
-        params.check(self.settings.run_sampling)
+        params.check(self.settings.sampling)
         async with episode.lock:
             if chat:
                 return await self._chat_call(episode.session, body, params)
@@ -323,9 +304,9 @@ class Gateway:
         visible = self.renderer.strip_eos(text) if stop_at is None else text[:stop_at]
         if tools:  # calls to tools the client did not declare are the model's errors
             parsed = client_calls(
-                visible, self.settings.tool_format, tools,
+                visible, self.settings.sampling.tool_format, tools,
                 parallel=params.parallel_tool_calls,
-                max_argument_bytes=self.settings.max_argument_bytes,
+                max_argument_bytes=self.settings.sampling.max_argument_bytes,
             )  # fmt: skip
         else:
             parsed = ParsedMessage(content=visible, tool_calls=())
@@ -410,7 +391,7 @@ class Gateway:
         )
 
     def _cap(self) -> int:
-        return self.settings.max_tokens_per_turn
+        return self.settings.sampling.max_tokens_per_turn
 
     async def _generate(
         self, prompt: list[int], cap: int, request: RequestParams | None = None
@@ -418,11 +399,11 @@ class Gateway:
         """(generation, when the model call started, its duration in ms): the time of the
         client's ``generate`` alone, recorded as the call's ``duration_ms``. ``request``:
         the client's sampling fields, already checked against the run's policy."""
-        room = self.settings.context_limit - len(prompt)
+        room = self.settings.sampling.context_limit - len(prompt)
         if room < 1:
-            raise _context_error(len(prompt), self.settings.context_limit)
+            raise _context_error(len(prompt), self.settings.sampling.context_limit)
         params = (request or RequestParams()).sampling_params(
-            self.settings.run_sampling,
+            self.settings.sampling,
             max_tokens=min(cap, room),
             stop_token_ids=self.renderer.stop_token_ids,
         )
@@ -430,7 +411,7 @@ class Gateway:
         try:
             generation = await self.client.generate(prompt, params)
         except ContextLengthExceeded as e:
-            raise _context_error(len(prompt), self.settings.context_limit) from e
+            raise _context_error(len(prompt), self.settings.sampling.context_limit) from e
         except InferenceError as e:
             raise api.APIError(
                 503, f"the inference server failed: {e}", code="upstream_error"

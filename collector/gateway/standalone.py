@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response
 from sandpiper.collector.gateway import openai_api as api
 from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.server import Gateway, _call_json, _not_found
-from sandpiper.config import CollectorSettings, RunConfig, collector_settings
+from sandpiper.config import CollectorSettings
 from sandpiper.store.records import (
     INFRA_STOPS,
     EpisodeRecord,
@@ -194,19 +194,17 @@ class StoringGateway(Gateway):
 
 
 async def serve(
-    config: CollectorSettings | RunConfig,
+    config: CollectorSettings,
     *,
     host: str,
     port: int,
     stop: asyncio.Event,
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
 ) -> None:
-    config = collector_settings(config)
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    from sandpiper.collector.agent import EpisodeLimits
     from sandpiper.collector.gateway.server import GatewaySettings
     from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
     from sandpiper.collector.render import renderer_for
@@ -214,7 +212,7 @@ async def serve(
 
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     renderer = renderer_for(tokenizer, config)  # the collector's: template, action format
-    limits = EpisodeLimits.from_config(config)
+    limits = config.sampling
     store = await asyncio.to_thread(open_store, config)
     # a spool of its own: a collector of the same run keeps its own
     spool = Path(config.store.spool_dir or store.default_spool_dir()) / "gateway"
@@ -231,13 +229,11 @@ async def serve(
                     latest.checkpoint_uri if latest else config.model,
                     latest.version if latest else 0,
                 )
-            settings = GatewaySettings.from_limits(
-                limits, run_id=config.name,
-                sampling_policy=config.collector.gateway_sampling,
-            )  # fmt: skip
             gateway = StoringGateway(
-                client=client, renderer=renderer, settings=settings, writer=writer,
-                run_id=config.name, sampling=_sampling(limits), time_limit_s=time_limit_s,
+                client=client, renderer=renderer,
+                settings=GatewaySettings.for_run(limits, run_id=config.name), writer=writer,
+                run_id=config.name, sampling=GroupSampling.from_limits(limits),
+                time_limit_s=time_limit_s,
                 max_calls=limits.max_turns, max_completion_tokens=limits.max_episode_tokens,
             )  # fmt: skip
             url = await gateway.serve(host=host, port=port)
@@ -252,12 +248,3 @@ async def serve(
                 log.info("gateway stopped: %d open episodes stored as cancelled", n)
     finally:
         await asyncio.to_thread(writer.close)  # commits every acknowledged group
-
-
-def _sampling(limits: Any) -> GroupSampling:
-    return GroupSampling(
-        temperature=limits.temperature, top_p=limits.top_p,
-        max_tokens_per_turn=limits.max_tokens_per_turn, max_turns=limits.max_turns,
-        max_episode_tokens=limits.max_episode_tokens, context_limit=limits.context_limit,
-        tool_format=limits.tool_format,
-    )  # fmt: skip

@@ -2,8 +2,11 @@
 ``submit``.
 
 ``Toolbox.call`` never raises for anything the agent did: unknown tools, arguments of the
-wrong type, oversized arguments and usage errors come back as a :class:`ToolResult` with
-``error_kind`` set and a message the agent can act on. Only a sandbox that cannot be used any
+wrong type and usage errors come back as a :class:`ToolResult` with ``error_kind`` set and a
+message the agent can act on. Oversized arguments never reach it: the byte limit
+(``SamplingLimits.max_argument_bytes``) is checked once, where a call is parsed
+(:func:`sandpiper.collector.parsers.check_call_size`; calls not parsed from text go through
+:func:`~sandpiper.collector.parsers.checked_call`). Only a sandbox that cannot be used any
 more shows up as ``error_kind = sandbox_died`` (the agent broke it: graded) or
 ``sandbox_lost`` (its container is gone: an infra failure, see ``collector/agent.py``).
 
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sandpiper.collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES, argument_problem
+from sandpiper.collector.parsers import argument_problem
 from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, ToolSandbox
 from sandpiper.collector.tools.base import ToolResult
 from sandpiper.collector.tools.editor import Editor, EditorError
@@ -91,7 +94,6 @@ class Toolbox:
         test_timeout_s: float,
         exec_timeout_s: float,
         max_exec_timeout_s: float | None = None,
-        max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
         result_format: str = DEFAULT_RESULT_FORMAT,
         tests_see_agent_processes: bool = False,
         subject_command: str | None = None,
@@ -107,7 +109,6 @@ class Toolbox:
         self.test_timeout_s = test_timeout_s
         self.exec_timeout_s = exec_timeout_s
         self.max_exec_timeout_s = max_exec_timeout_s or 4 * exec_timeout_s
-        self.max_argument_bytes = max_argument_bytes
         self.result_format = result_format
         self.tests_see_agent_processes = tests_see_agent_processes
         self.subject_command = subject_command
@@ -169,16 +170,9 @@ class Toolbox:
         if problem is not None:
             return _bad(f"the arguments of {name} cannot be used: {problem}")
         try:
-            text = json.dumps(arguments, ensure_ascii=False)
+            json.dumps(arguments, ensure_ascii=False)
         except (ValueError, RecursionError) as e:  # only an editor call gets here unchecked
             return _bad(f"the arguments of {name} cannot be encoded: {str(e)[:200]}")
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if size > self.max_argument_bytes:
-            return ToolResult(
-                f"Error: the arguments of {name} are {size} bytes; the limit is "
-                f"{self.max_argument_bytes} bytes. Write large content in smaller pieces.",
-                ToolErrorKind.ARGUMENTS_TOO_LARGE,
-            )
         for key, value in arguments.items():
             if key not in spec:
                 return _bad(f"unknown parameter `{key}` for {name}; allowed: {', '.join(spec)}")

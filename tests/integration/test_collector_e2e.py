@@ -78,7 +78,7 @@ def test_short_run_stores_token_exact_groups(vllm_server, sandbox_image, tmp_pat
         tmp_path, vllm_server, name="it-short", tasks=str(REPO / "tasks/folders"), max_groups=2
     )
     config = load_config(toml)
-    metrics = asyncio.run(collect(config, stop=asyncio.Event(), live_status=False))
+    metrics = asyncio.run(collect(config.for_collector(), stop=asyncio.Event(), live_status=False))
     assert metrics.groups_total == 2 and metrics.episodes_total == 4
 
     store = Store(config.store.url)
@@ -191,7 +191,7 @@ def test_a_policy_registered_in_the_store_is_hot_loaded(vllm_server, sandbox_ima
 
     async def scenario() -> None:
         stop = asyncio.Event()
-        run = asyncio.create_task(collect(config, stop=stop, live_status=False))
+        run = asyncio.create_task(collect(config.for_collector(), stop=stop, live_status=False))
         store = Store(config.store.url)
         try:
             for _ in range(600):
@@ -240,7 +240,10 @@ def test_eval_mode_against_the_chat_endpoint(vllm_server, sandbox_image, tmp_pat
     config = load_config(toml)
     n = asyncio.run(
         evaluate(
-            config, endpoint_url=vllm_server.url, model=str(vllm_server.model_dir), api_key=None
+            config.for_collector(),
+            endpoint_url=vllm_server.url,
+            model=str(vllm_server.model_dir),
+            api_key=None,
         )
     )
     assert n == 2

@@ -23,18 +23,19 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.agent import EpisodeLimits, default_toolbox_factory, run_pooled_episode
+from sandpiper.collector.agent import default_toolbox_factory, run_pooled_episode
 from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import load_task_folder
 from sandpiper.collector.tools import TOOL_SCHEMAS
+from sandpiper.config import SamplingLimits
 from sandpiper.store.records import StopReason, ToolErrorKind
 from sandpiper.testing import ScriptedPolicy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 LABEL = "pytest-robustness"
-LIMITS = EpisodeLimits(max_turns=8, max_tokens_per_turn=1_000_000, max_episode_tokens=4_000_000,
+LIMITS = SamplingLimits(max_turns=8, max_tokens_per_turn=1_000_000, max_episode_tokens=4_000_000,
                        context_limit=5_000_000)  # fmt: skip
 
 

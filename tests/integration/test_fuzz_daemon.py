@@ -130,7 +130,9 @@ def test_hostile_turns_never_crash_the_daemon_and_every_episode_is_stored(
     async def run():
         stop = asyncio.Event()  # set at `turns` sampled turns; groups in flight finish
         policy = FuzzPolicy(tokenizer, seed=14, submit_every=200, stop_after=(turns, stop))
-        return policy, await collect(config, stop=stop, live_status=False, client=policy)
+        return policy, await collect(
+            config.for_collector(), stop=stop, live_status=False, client=policy
+        )
 
     started = time.monotonic()
     policy, metrics = asyncio.run(run())

@@ -79,7 +79,7 @@ def test_mini_swe_agent_collects_and_the_learner_trains(vllm_server, sandbox_ima
     tasks.write_text(json.dumps(row) + "\n")
     toml = _write_config(tmp_path, vllm_server, tasks)
     config = load_config(toml)
-    metrics = asyncio.run(collect(config, stop=asyncio.Event(), live_status=False))
+    metrics = asyncio.run(collect(config.for_collector(), stop=asyncio.Event(), live_status=False))
     assert metrics.groups_total == 1 and metrics.episodes_total == 2
 
     store = Store(config.store.url)

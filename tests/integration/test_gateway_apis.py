@@ -79,21 +79,20 @@ async def _messages_episode(base_url: str) -> None:
 def test_responses_and_messages_episodes_are_stored_with_exact_ids(vllm_server, tmp_path):
     from transformers import AutoTokenizer
 
-    from sandpiper.collector.agent import EpisodeLimits
     from sandpiper.collector.gateway.server import GatewaySettings
-    from sandpiper.collector.gateway.standalone import StoringGateway, _sampling
+    from sandpiper.collector.gateway.standalone import StoringGateway
     from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
     from sandpiper.collector.render import renderer_for
     from sandpiper.collector.run_setup import open_store
-    from sandpiper.config import collector_settings
     from sandpiper.store import Store
     from sandpiper.store.claims import load_episodes
+    from sandpiper.store.records import GroupSampling
 
     # what `sandpiper gateway` serves, less its start-up (no weights loaded into the
     # session's shared vLLM server)
-    config = collector_settings(load_config(_config(tmp_path, vllm_server)))
+    config = load_config(_config(tmp_path, vllm_server)).for_collector()
     renderer = renderer_for(AutoTokenizer.from_pretrained(config.model), config)
-    limits = EpisodeLimits.from_config(config)
+    limits = config.sampling
     writer = open_store(config).writer(spool_dir=str(tmp_path / "spool"))
 
     async def main() -> dict[str, list[dict]]:
@@ -101,8 +100,8 @@ def test_responses_and_messages_episodes_are_stored_with_exact_ids(vllm_server, 
         async with VLLMPolicyClient([vllm_server.url]) as client:
             gateway = StoringGateway(
                 client=client, renderer=renderer, writer=writer, run_id=config.name,
-                settings=GatewaySettings.from_limits(limits, run_id=config.name),
-                sampling=_sampling(limits),
+                settings=GatewaySettings.for_run(limits, run_id=config.name),
+                sampling=GroupSampling.from_limits(limits),
             )  # fmt: skip
             url = await gateway.serve()
             try:

@@ -27,7 +27,7 @@ def test_reward_rises_on_bandit(tmp_path, learner_tiny_model, kind) -> None:
         store.init()
     else:
         store = MemoryStore()  # the same loop without the store's I/O, as a cross-check
-    learner = Learner(cfg, store, init_distributed())
+    learner = Learner(cfg.for_learner(), store, init_distributed())
     assert learner.version == 0 and store.latest_policy("lt").version == 0
     rewards, seq = [], 0
     for step in range(30):

@@ -97,7 +97,7 @@ def _collect_and_learn(tmp_path: Path, vllm_server, name: str, command: str, env
     tasks.write_text(json.dumps(row) + "\n")
     toml = _write_config(tmp_path, vllm_server, tasks, name)
     config = load_config(toml)
-    metrics = asyncio.run(collect(config, stop=asyncio.Event(), live_status=False))
+    metrics = asyncio.run(collect(config.for_collector(), stop=asyncio.Event(), live_status=False))
     assert metrics.groups_total == 1 and metrics.episodes_total == 2
 
     store = Store(config.store.url)

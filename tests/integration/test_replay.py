@@ -49,7 +49,7 @@ def _train_two_steps(tmp_path, model_dir):
     store = Store(cfg.store.url)
     store.init()
     store.ensure_run(RunRecord("lt", json.dumps(cfg.model_dump(mode="json")), "test"))
-    learner = Learner(cfg, store, init_distributed())
+    learner = Learner(cfg.for_learner(), store, init_distributed())
     torch.manual_seed(0)
     store.write_groups([sample_group(learner.engine.module, run_id="lt", task=i, seq=i, version=0)
                         for i in range(4)])  # fmt: skip

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.agent import EpisodeLimits, default_toolbox_factory, run_episode
+from sandpiper.collector.agent import default_toolbox_factory, run_episode
 from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import Task, load_task_folder
 from sandpiper.collector.tools import TOOL_SCHEMAS
+from sandpiper.config import SamplingLimits
 from sandpiper.store.records import StopReason
 from sandpiper.testing import ScriptedPolicy
 
@@ -81,7 +82,7 @@ def put(path: str, text: str, mode: str = ">") -> str:
 
 
 SUBMIT = '<tool_call>\n{"name": "submit", "arguments": {"answer": "done"}}\n</tool_call>'
-LIMITS = EpisodeLimits(max_turns=8, max_tokens_per_turn=100_000, max_episode_tokens=400_000,
+LIMITS = SamplingLimits(max_turns=8, max_tokens_per_turn=100_000, max_episode_tokens=400_000,
                        context_limit=500_000)  # fmt: skip
 
 

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.agent import EpisodeLimits, default_toolbox_factory, run_episode
+from sandpiper.collector.agent import default_toolbox_factory, run_episode
 from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import import_tasks, load_task_folder, load_tasks
 from sandpiper.collector.tools import TOOL_SCHEMAS
+from sandpiper.config import SamplingLimits
 from sandpiper.testing import ScriptedPolicy
 from tests.conftest import REPO
 from tests.fixtures.solutions import WRONG, Solution, folder_solution, solutions_for
@@ -119,7 +120,7 @@ def test_every_shipped_task_pays_its_solution_and_not_a_wrong_answer(
     plays = _plays(tmp_path)
     make_toolbox = default_toolbox_factory(exec_timeout_s=20, test_timeout_s=60)
     renderer = ChatRenderer(tiny_tokenizer, TOOL_SCHEMAS)
-    limits = EpisodeLimits(
+    limits = SamplingLimits(
         context_limit=100_000, max_episode_tokens=100_000, max_tokens_per_turn=4096, max_turns=8
     )
 

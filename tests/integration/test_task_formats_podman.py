@@ -13,12 +13,13 @@ import json
 
 import pytest
 
-from sandpiper.collector.agent import EpisodeLimits, default_toolbox_factory, run_episode
+from sandpiper.collector.agent import default_toolbox_factory, run_episode
 from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.sandbox.images import podman_image_exists
 from sandpiper.collector.tasks import import_tasks, load_task_folder
 from sandpiper.collector.tools import TOOL_SCHEMAS
+from sandpiper.config import SamplingLimits
 from sandpiper.store.records import StopReason
 from sandpiper.testing import ScriptedPolicy
 from tests.unit.test_task_formats import open_instruct_task
@@ -40,7 +41,7 @@ def test_open_instruct_task_runs_unchanged(sandbox_pool, sandbox_image, tiny_tok
     assert task.image == sandbox_image
     make_toolbox = default_toolbox_factory(exec_timeout_s=10, test_timeout_s=30)
     renderer = ChatRenderer(tiny_tokenizer, TOOL_SCHEMAS)
-    limits = EpisodeLimits(context_limit=100_000, max_episode_tokens=100_000)
+    limits = SamplingLimits(context_limit=100_000, max_episode_tokens=100_000)
 
     async def episode(replies: list[str]):
         async with (
@@ -87,7 +88,7 @@ def test_code_and_document_rows_run_in_podman(sandbox_pool, tiny_tokenizer, tmp_
     tasks = {t.task_id: t for t in import_tasks(src, tmp_path / "out")}
     make_toolbox = default_toolbox_factory(exec_timeout_s=10, test_timeout_s=30)
     renderer = ChatRenderer(tiny_tokenizer, TOOL_SCHEMAS)
-    limits = EpisodeLimits(
+    limits = SamplingLimits(
         context_limit=100_000, max_episode_tokens=100_000, max_tokens_per_turn=4096
     )
     solution = trl["prompt"] + KADANE

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from sandpiper.collector.agent import EpisodeLimits, run_episode
+from sandpiper.collector.agent import run_episode
 from sandpiper.collector.parsers import (
     SUBMIT_SENTINEL,
     parse_tool_calls,
@@ -18,6 +18,7 @@ from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
 from sandpiper.collector.tasks import Task
+from sandpiper.config import SamplingLimits
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from sandpiper.testing import (
     FAKE_TOOL_SCHEMAS,
@@ -95,7 +96,7 @@ def _episode(tokenizer, replies, sandbox):
             policy=TokenPolicy(policy, renderer),
             sandbox=sandbox,
             toolbox=toolbox,
-            limits=EpisodeLimits(tool_format="bash_block", max_turns=5),
+            limits=SamplingLimits(tool_format="bash_block", max_turns=5),
         )
     )
     return episode, policy, toolbox, renderer
@@ -165,7 +166,7 @@ def _episode_with(tokenizer, client, instruction):
         run_episode(
             episode_id="e1", sample_index=0, task=task, policy=TokenPolicy(client, renderer),
             sandbox=sandbox, toolbox=toolbox,
-            limits=EpisodeLimits(tool_format="bash_block", max_turns=3, max_tokens_per_turn=128),
+            limits=SamplingLimits(tool_format="bash_block", max_turns=3, max_tokens_per_turn=128),
         )
     )  # fmt: skip
     return episode, client, toolbox, renderer

@@ -8,10 +8,11 @@ import asyncio
 import numpy as np
 import pytest
 
-from sandpiper.collector.agent import EpisodeLimits, run_episode
+from sandpiper.collector.agent import SYSTEM_PROMPT, run_episode
 from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import Task
+from sandpiper.config import SamplingLimits
 from sandpiper.errors import InferenceError, SandboxError, SandboxLostError
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from sandpiper.testing import (
@@ -28,7 +29,7 @@ SUBMIT_42 = '<tool_call>\n{"name": "submit", "arguments": {"answer": "42"}}\n</t
 MATH = Task("t1", "What is 6*7?", {"reward": "math", "answer": "42"}, "unit", "jsonl_math")
 
 
-def _run(tokenizer, replies, *, task=MATH, limits=EpisodeLimits(), sandbox=None, test_reward=None):
+def _run(tokenizer, replies, *, task=MATH, limits=SamplingLimits(), sandbox=None, test_reward=None):
     policy = ScriptedPolicy(tokenizer, replies, version=3)
     sandbox = sandbox or scripted_sandbox()
     toolbox = FakeToolbox(sandbox, test_reward=test_reward)
@@ -98,7 +99,7 @@ def test_tool_delta_after_eos_matches_a_full_render(tiny_tokenizer):
     _, policy, _, renderer = _run(tiny_tokenizer, [BASH_LS, SUBMIT_42])
     text = renderer.decode(policy.prompts[1])
     messages = [
-        {"role": "system", "content": EpisodeLimits().system_prompt},
+        {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": MATH.instruction},
         {"role": "assistant", "content": BASH_LS},
         {"role": "tool", "name": "execute_bash", "content": "ran: ls\n"},
@@ -145,13 +146,13 @@ def test_no_tool_call_answer_is_scored(tiny_tokenizer):
 
 
 def test_max_turns(tiny_tokenizer):
-    episode, policy, *_ = _run(tiny_tokenizer, [BASH_LS] * 5, limits=EpisodeLimits(max_turns=3))
+    episode, policy, *_ = _run(tiny_tokenizer, [BASH_LS] * 5, limits=SamplingLimits(max_turns=3))
     assert episode.stop_reason is StopReason.MAX_TURNS and episode.valid
     assert episode.reward == 0.0 and len(policy.prompts) == 3
 
 
 def test_max_episode_tokens_truncates(tiny_tokenizer):
-    limits = EpisodeLimits(max_episode_tokens=30)
+    limits = SamplingLimits(max_episode_tokens=30)
     episode, policy, *_ = _run(tiny_tokenizer, [BASH_LS] * 5, limits=limits)
     assert episode.stop_reason is StopReason.MAX_TOKENS and episode.valid
     assert episode.completion_tokens <= 30
@@ -163,12 +164,12 @@ def test_context_limit(tiny_tokenizer):
     prompt_len = len(
         renderer.prompt_ids(
             [
-                {"role": "system", "content": EpisodeLimits().system_prompt},
+                {"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": MATH.instruction},
             ]
         )
     )
-    limits = EpisodeLimits(context_limit=prompt_len + 40)
+    limits = SamplingLimits(context_limit=prompt_len + 40)
     episode, policy, *_ = _run(tiny_tokenizer, [BASH_LS] * 5, limits=limits)
     assert episode.stop_reason is StopReason.CONTEXT_EXCEEDED and episode.valid
     assert all(len(p) < limits.context_limit for p in policy.prompts)
@@ -202,7 +203,7 @@ def test_a_sandbox_broken_by_the_agent_is_graded_a_lost_one_invalid(
             policy=TokenPolicy(policy, ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)),
             sandbox=sandbox,
             toolbox=Dying(sandbox),
-            limits=EpisodeLimits(),
+            limits=SamplingLimits(),
         )
     )
     assert episode.stop_reason is stop and "sandbox" in episode.error
@@ -227,7 +228,7 @@ def test_dead_sandbox_before_start_and_model_errors_are_invalid(tiny_tokenizer, 
 @pytest.mark.parametrize("fmt", ["qwen3_coder"])
 def test_xml_tool_format(tiny_tokenizer, fmt):
     xml = "<tool_call>\n<function=submit>\n<parameter=answer>\n42\n</parameter>\n</function>\n</tool_call>"
-    episode, _, toolbox, _ = _run(tiny_tokenizer, [xml], limits=EpisodeLimits(tool_format=fmt))
+    episode, _, toolbox, _ = _run(tiny_tokenizer, [xml], limits=SamplingLimits(tool_format=fmt))
     assert toolbox.calls == [("submit", {"answer": "42"})] and episode.reward == 1.0
 
 
@@ -279,7 +280,7 @@ def test_real_toolbox_turns_bad_calls_into_observations(tiny_tokenizer):
             episode_id="e", sample_index=0, task=MATH,
             policy=TokenPolicy(ScriptedPolicy(tiny_tokenizer, replies),
                                ChatRenderer(tiny_tokenizer, TOOL_SCHEMAS)), sandbox=sandbox,
-            toolbox=toolbox, limits=EpisodeLimits(max_turns=5, context_limit=100_000,
+            toolbox=toolbox, limits=SamplingLimits(max_turns=5, context_limit=100_000,
                                                   max_episode_tokens=100_000,
                                                   max_tokens_per_turn=100_000),
         )
@@ -315,7 +316,7 @@ def test_a_collector_bug_in_one_episode_is_its_recorded_error_with_a_traceback(
                 policy=TokenPolicy(policy, ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)),
                 sandbox=sandbox,
                 toolbox=Buggy(sandbox),
-                limits=EpisodeLimits(),
+                limits=SamplingLimits(),
             )
         )
     assert episode.stop_reason is StopReason.INFRA_ERROR and not episode.valid
@@ -344,7 +345,7 @@ def test_run_pooled_episode_contains_an_exception_of_the_episode_and_replaces_it
                 ScriptedPolicy(tiny_tokenizer, []), ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)
             ),
             make_toolbox=lambda box, task: FakeToolbox(box),
-            limits=EpisodeLimits(),
+            limits=SamplingLimits(),
             run=exploding_run,
         )
     )

@@ -12,8 +12,8 @@ from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import Task
 from sandpiper.config import RunConfig
 from sandpiper.errors import StoreError
-from sandpiper.store.slots import task_rank
 from sandpiper.store.records import GroupStatus, PolicyRecord, Split, WriteOutcome
+from sandpiper.store.slots import task_rank
 from sandpiper.testing import (
     FAKE_TOOL_SCHEMAS,
     FakePool,
@@ -44,7 +44,7 @@ def _collector(tokenizer, tmp_path, config, *, tasks=TASKS, store=None, delay_s=
     writer = FakeWriter(store)
     policy = ReloadablePolicy(tokenizer, [SUBMIT], cycle=True, delay_s=delay_s)
     collector = Collector(
-        config,
+        config.for_collector(),
         client=policy,
         renderer=ChatRenderer(tokenizer, FAKE_TOOL_SCHEMAS),
         store=store,
@@ -290,3 +290,18 @@ def test_a_bug_inside_episodes_is_their_outcome_and_the_daemon_goes_on(tiny_toke
     bugs = [e for e in episodes if not e.valid]
     assert len(bugs) == 4 and all("collector bug: ZeroDivisionError" in e.error for e in bugs)
     assert all(e.valid and e.reward == 1.0 for e in episodes if e not in bugs)
+
+
+def test_the_daemon_hands_its_one_sampling_object_down(tiny_tokenizer, tmp_path):
+    """Episodes, the gateway and every group's record take the limits the daemon read once
+    from its settings: no class copies them field by field."""
+    from sandpiper.store.records import GroupSampling
+
+    config = _config(max_groups=1, max_turns=3, temperature=0.5)
+    collector, _, writer, _ = _collector(tiny_tokenizer, tmp_path, config)
+    assert collector.limits == config.for_collector().sampling
+    assert collector._gateway().settings.sampling is collector.limits
+    asyncio.run(_run(collector))
+    (group,) = writer.groups
+    assert group.sampling_params == GroupSampling.from_limits(collector.limits)
+    assert group.sampling_params.max_turns == 3 and group.sampling_params.temperature == 0.5

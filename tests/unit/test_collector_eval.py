@@ -8,9 +8,10 @@ import json
 
 import httpx
 
-from sandpiper.collector.agent import EpisodeLimits, run_episode, run_pooled_episode
+from sandpiper.collector.agent import run_episode, run_pooled_episode
 from sandpiper.collector.chat_policy import ChatEndpoint, ChatPolicy
 from sandpiper.collector.tasks import Task
+from sandpiper.config import SamplingLimits
 from sandpiper.errors import TaskError
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from sandpiper.testing import FAKE_TOOL_SCHEMAS, FakePool, FakeToolbox, scripted_sandbox
@@ -37,7 +38,7 @@ def _call(name: str, arguments: str, call_id: str = "c1") -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-LIMITS = EpisodeLimits(max_turns=4, max_tokens_per_turn=64, temperature=0.0)
+LIMITS = SamplingLimits(max_turns=4, max_tokens_per_turn=64, temperature=0.0)
 
 
 def _run(replies: list[dict], *, task=TASK, sandbox=None, schemas=FAKE_TOOL_SCHEMAS):
@@ -169,7 +170,7 @@ def test_token_budget_and_context_limit_end_the_episode_as_in_training():
 
     endpoint = ChatEndpoint("http://x", "m", transport=httpx.MockTransport(handler))
     sandbox = scripted_sandbox()
-    limits = EpisodeLimits(max_turns=5, max_tokens_per_turn=64, max_episode_tokens=64)
+    limits = SamplingLimits(max_turns=5, max_tokens_per_turn=64, max_episode_tokens=64)
     episode = asyncio.run(
         run_episode(
             episode_id="e", sample_index=0, task=TASK,

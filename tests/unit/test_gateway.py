@@ -15,6 +15,7 @@ import pytest
 from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.render import ChatRenderer
+from sandpiper.config import SamplingLimits
 from sandpiper.store.records import Role
 from sandpiper.testing import FAKE_TOOL_SCHEMAS, ScriptedPolicy
 
@@ -29,7 +30,7 @@ def _gateway(tokenizer, replies, **settings):
     gw = Gateway(
         client=policy,
         renderer=renderer,
-        settings=GatewaySettings(model_names=(MODEL,), **settings),
+        settings=GatewaySettings(model_names=(MODEL,), sampling=SamplingLimits(**settings)),
     )
     return gw, policy, renderer
 

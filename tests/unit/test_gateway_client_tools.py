@@ -14,6 +14,7 @@ from sandpiper.collector.client_tools import client_calls, plain_history, tools_
 from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.render import ChatRenderer
+from sandpiper.config import SamplingLimits
 from sandpiper.store.records import Role, ToolErrorKind
 from sandpiper.testing import FAKE_TOOL_SCHEMAS, ScriptedPolicy
 
@@ -39,7 +40,7 @@ async def _serve(tokenizer, replies):
     policy = ScriptedPolicy(tokenizer, replies)
     renderer = ChatRenderer(tokenizer, FAKE_TOOL_SCHEMAS, action_format="bash_block")
     gw = Gateway(client=policy, renderer=renderer,
-                 settings=GatewaySettings(model_names=(MODEL,), tool_format="bash_block"))  # fmt: skip
+                 settings=GatewaySettings(model_names=(MODEL,), sampling=SamplingLimits(tool_format="bash_block")))  # fmt: skip
     await gw.serve()
     return gw, policy, renderer
 

@@ -11,12 +11,12 @@ import textwrap
 import numpy as np
 import pytest
 
-from sandpiper.collector.agent import EpisodeLimits
 from sandpiper.collector.gateway.external import run_external_episode
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import Task
 from sandpiper.collector.tools.base import ToolResult
+from sandpiper.config import SamplingLimits
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from sandpiper.testing import (
     FAKE_TOOL_SCHEMAS,
@@ -73,7 +73,7 @@ def _episode(tokenizer, replies, *, calls=2, exit_code=0, timeout_s=60.0, limits
     renderer = ChatRenderer(tokenizer, FAKE_TOOL_SCHEMAS)
     sandbox = scripted_sandbox()
     toolbox = toolbox_type(sandbox, test_reward=1.0)
-    limits = limits or EpisodeLimits()
+    limits = limits or SamplingLimits()
 
     async def main():
         gw = Gateway(
@@ -130,7 +130,7 @@ def test_a_hanging_agent_is_killed_at_its_time_limit(tiny_tokenizer):
 
 def test_the_turn_budget_ends_the_episode(tiny_tokenizer):
     episode, _, _ = _episode(
-        tiny_tokenizer, [BASH_LS] * 10, calls=10, limits=EpisodeLimits(max_turns=2)
+        tiny_tokenizer, [BASH_LS] * 10, calls=10, limits=SamplingLimits(max_turns=2)
     )
     assert episode.stop_reason is StopReason.MAX_TURNS and episode.valid
     assert sum(t.role is Role.ASSISTANT for t in episode.turns) == 2
@@ -168,7 +168,7 @@ def test_mini_swe_agent_unmodified_through_the_gateway(tiny_tokenizer, repo_root
         try:
             return await run_external_episode(
                 episode_id="m", sample_index=0, task=task, gateway=gw, sandbox=sandbox,
-                toolbox=FakeToolbox(sandbox, test_reward=0.0), limits=EpisodeLimits(),
+                toolbox=FakeToolbox(sandbox, test_reward=0.0), limits=SamplingLimits(),
             )  # fmt: skip
         finally:
             await gw.aclose()
@@ -202,3 +202,19 @@ def test_a_sandbox_broken_while_grading_is_graded_unless_the_host_lost_it(
     episode, _, _ = _episode(tiny_tokenizer, [BASH_LS, "done"], toolbox_type=Breaking)
     assert episode.stop_reason is stop and episode.valid is valid
     assert episode.reward == (0.0 if valid else None)
+
+
+def test_an_external_agents_oversized_command_is_refused_and_never_run():
+    """The gateway's ``/exec`` takes commands not parsed from model text: they meet the same
+    byte limit as a native call (``SamplingLimits.max_argument_bytes``) before the toolbox."""
+    from sandpiper.collector.gateway.external import _exec_via
+
+    sandbox = scripted_sandbox()
+    toolbox = FakeToolbox(sandbox)
+    run = _exec_via(toolbox, 100)
+    refused = asyncio.run(run("echo " + "x" * 200, 5.0))
+    assert refused["error_kind"] == str(ToolErrorKind.ARGUMENTS_TOO_LARGE)
+    assert "100" in refused["output"] and refused["returncode"] == -1
+    assert toolbox.calls == []
+    ran = asyncio.run(run("echo hi", 5.0))
+    assert ran["error_kind"] == str(ToolErrorKind.NONE) and toolbox.calls

@@ -13,11 +13,12 @@ import openai
 import pytest
 
 from sandpiper.collector.gateway.assembly import assemble
-from sandpiper.collector.gateway.request_params import RequestParams, RunSampling, cut_at_stop
+from sandpiper.collector.gateway.request_params import RequestParams, cut_at_stop
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.inference.base import Generation, SamplingParams
 from sandpiper.collector.inference.vllm_client import _to_generation, generate_body
 from sandpiper.collector.render import ChatRenderer
+from sandpiper.config import SamplingLimits
 from sandpiper.store.records import ToolErrorKind
 from sandpiper.testing import FAKE_TOOL_SCHEMAS, ScriptedPolicy
 
@@ -30,7 +31,7 @@ async def _serve(tokenizer, replies, **settings):
     policy = ScriptedPolicy(tokenizer, replies, version=3)
     renderer = ChatRenderer(tokenizer, FAKE_TOOL_SCHEMAS)
     gw = Gateway(client=policy, renderer=renderer,
-                 settings=GatewaySettings(model_names=(MODEL,), **settings))  # fmt: skip
+                 settings=GatewaySettings(model_names=(MODEL,), sampling=SamplingLimits(**settings)))  # fmt: skip
     await gw.serve()
     client = openai.AsyncOpenAI(base_url=gw.open_episode("e"), api_key="x", max_retries=0)
     return gw, policy, renderer, client
@@ -138,7 +139,7 @@ def test_the_runs_own_values_pass_and_the_client_policy_honours_the_request(tiny
         gw, policy, _, client = await _serve(tiny_tokenizer, ["a", "b"], temperature=0.7)
         await client.chat.completions.create(model=MODEL, messages=USER, temperature=0.7)
         await _done(gw, client)
-        gw, policy2, _, client = await _serve(tiny_tokenizer, ["c"], sampling_policy="client")
+        gw, policy2, _, client = await _serve(tiny_tokenizer, ["c"], gateway_sampling="client")
         await client.chat.completions.create(
             model=MODEL, messages=USER, temperature=0.2, top_p=0.9, seed=11
         )
@@ -242,7 +243,7 @@ def test_malformed_sampling_fields_are_named_in_a_400(tiny_tokenizer, body, para
 
 def test_the_vllm_request_and_answer_carry_stop_strings_and_top_logprobs():
     params = RequestParams(stop=("END",), logprobs=True, top_logprobs=2).sampling_params(
-        RunSampling(), max_tokens=8, stop_token_ids=(2,)
+        SamplingLimits(), max_tokens=8, stop_token_ids=(2,)
     )
     sent = generate_body([1, 2, 3], params)["sampling_params"]
     assert sent["stop"] == ["END"] and sent["detokenize"] is True and sent["logprobs"] == 2

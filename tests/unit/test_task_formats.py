@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.agent import EpisodeLimits, run_episode
+from sandpiper.collector.agent import run_episode
 from sandpiper.collector.policy import TokenPolicy
 from sandpiper.collector.render import ChatRenderer
 from sandpiper.collector.tasks import import_tasks, load_task_folder, load_tasks
+from sandpiper.config import SamplingLimits
 from sandpiper.errors import TaskError
 from sandpiper.store.records import StopReason
 from sandpiper.testing import (
@@ -86,7 +87,7 @@ def test_open_instruct_missing_test_script_is_one_invalid_episode(tiny_tokenizer
         run_episode(
             episode_id="e", sample_index=0, task=task,
             policy=TokenPolicy(policy, ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)),
-            sandbox=sandbox, toolbox=FakeToolbox(sandbox), limits=EpisodeLimits(),
+            sandbox=sandbox, toolbox=FakeToolbox(sandbox), limits=SamplingLimits(),
         )
     )  # fmt: skip
     assert episode.stop_reason is StopReason.TASK_ERROR and not episode.valid
@@ -165,7 +166,7 @@ def test_llm_in_sandbox_answer_file_is_scored_by_domain(tiny_tokenizer, tmp_path
             episode_id="e", sample_index=0, task=bio,
             policy=TokenPolicy(ScriptedPolicy(tiny_tokenizer, [submit]),
                                ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)),
-            sandbox=sandbox, toolbox=FakeToolbox(sandbox), limits=EpisodeLimits(),
+            sandbox=sandbox, toolbox=FakeToolbox(sandbox), limits=SamplingLimits(),
         )
     )  # fmt: skip
     assert sandbox.copied == [(tmp_path / "out" / "bio-7" / "files", "/workspace")]
@@ -366,7 +367,7 @@ def test_a_bad_banned_pattern_is_one_invalid_episode(tiny_tokenizer, tmp_path):
             episode_id="e", sample_index=0, task=task,
             policy=TokenPolicy(ScriptedPolicy(tiny_tokenizer, [submit]),
                                ChatRenderer(tiny_tokenizer, FAKE_TOOL_SCHEMAS)),
-            sandbox=sandbox, toolbox=FakeToolbox(sandbox), limits=EpisodeLimits(),
+            sandbox=sandbox, toolbox=FakeToolbox(sandbox), limits=SamplingLimits(),
         )
     )  # fmt: skip
     assert episode.stop_reason is StopReason.TASK_ERROR and not episode.valid

@@ -84,7 +84,6 @@ def test_offered_schemas_keep_order_and_brief_ones_only_the_essentials():
         ),
         ("execute_bash", "{not json", ToolErrorKind.BAD_JSON, "not valid JSON"),
         ("execute_bash", "[1]", ToolErrorKind.BAD_ARGUMENTS, "must be a JSON object"),
-        ("execute_bash", {"command": "x" * 300_000}, ToolErrorKind.ARGUMENTS_TOO_LARGE, "limit"),
     ],
 )
 def test_bad_calls_are_data(fake_sandbox, name, arguments, kind, fragment):
@@ -140,14 +139,13 @@ def test_submit_exit_status_reward_only_when_declared(fake_sandbox):
     assert result.test_reward == 1.0 and result.test_details["format"] == "exit_status"
 
 
-def test_argument_checks_and_byte_limit_come_from_one_source():
+def test_argument_checks_come_from_the_schemas_and_the_byte_limit_from_one_place():
     """The schemas the model is shown declare every argument the toolbox accepts, and which
-    are required; the byte limit is the config's default everywhere."""
-    from sandpiper.collector.gateway.server import GatewaySettings
-    from sandpiper.collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES
-    from sandpiper.collector.policy import PolicyLimits
+    are required. The byte limit is the run's ``SamplingLimits.max_argument_bytes``, checked
+    where a call is parsed: the toolbox has no limit of its own to drift from it."""
+    from sandpiper.collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES, checked_call
     from sandpiper.collector.tools.toolbox import _ARGUMENTS
-    from sandpiper.config import CollectorConfig
+    from sandpiper.config import CollectorConfig, SamplingLimits
 
     for schema in TOOL_SCHEMAS:
         fn = schema["function"]
@@ -156,8 +154,8 @@ def test_argument_checks_and_byte_limit_come_from_one_source():
         required = {arg for arg, (_, req) in spec.items() if req}
         assert required == set(fn["parameters"]["required"])
     limit = CollectorConfig().max_argument_bytes
-    assert limit == DEFAULT_MAX_ARGUMENT_BYTES
-    assert PolicyLimits().max_argument_bytes == limit
-    assert GatewaySettings(model_names=("m",)).max_argument_bytes == limit
-    default = inspect.signature(Toolbox).parameters["max_argument_bytes"].default
-    assert default == limit
+    assert SamplingLimits().max_argument_bytes == DEFAULT_MAX_ARGUMENT_BYTES == limit
+    assert "max_argument_bytes" not in inspect.signature(Toolbox).parameters
+    big = checked_call("execute_bash", {"command": "x" * 300_000}, limit)
+    assert big.error_kind is ToolErrorKind.ARGUMENTS_TOO_LARGE and str(limit) in big.error
+    assert checked_call("execute_bash", {"command": "ls"}, limit).ok

@@ -31,7 +31,7 @@ def test_step_registers_next_version_with_its_groups(tmp_path, learner_tiny_mode
 
     cfg = make_config(tmp_path, learner_tiny_model, minibatches=2, epochs=2, lr=1e-3)
     store = MemoryStore()
-    learner = Learner(cfg, store, world)
+    learner = Learner(cfg.for_learner(), store, world)
     assert [p.version for p in store.registered] == [0]
     assert store.registered[0].checkpoint_uri.endswith("v000000-t0001")
     store.write_groups(_groups(learner.engine.module, 2))
@@ -47,7 +47,7 @@ def test_step_registers_next_version_with_its_groups(tmp_path, learner_tiny_mode
 
     # Resume: a new learner continues from version 1's checkpoint.
     learner.close()
-    again = Learner(cfg, store, world)
+    again = Learner(cfg.for_learner(), store, world)
     assert again.version == 1
     a = dict(learner.engine.module.named_parameters())
     for name, p in again.engine.module.named_parameters():
@@ -61,7 +61,7 @@ def test_zero_variance_groups_are_counted_and_still_consumed(tmp_path, learner_t
 
     cfg = make_config(tmp_path, learner_tiny_model)
     store = MemoryStore()
-    learner = Learner(cfg, store, world)
+    learner = Learner(cfg.for_learner(), store, world)
     flat = [
         replace(g, episodes=tuple(replace(e, reward=1.0) for e in g.episodes))
         for g in _groups(learner.engine.module, 2)
@@ -81,7 +81,7 @@ def test_stale_samples_get_importance_weights(tmp_path, learner_tiny_model, worl
 
     cfg = make_config(tmp_path, learner_tiny_model, lr=5e-3, groups_per_step=2)
     store = MemoryStore()
-    learner = Learner(cfg, store, world)
+    learner = Learner(cfg.for_learner(), store, world)
     store.write_groups(_groups(learner.engine.module, 4))  # all sampled by version 0
     learner.train_step(store.claim_batch(run_id="lt", learner_id="x", n_groups=2, max_lag=2))
     metrics = learner.train_step(
@@ -99,7 +99,7 @@ def test_sft_registers_a_version_that_lowers_the_nll(tmp_path, learner_tiny_mode
     cfg = make_config(tmp_path, learner_tiny_model, algo="sft", epochs=4, lr=1e-2,
                       sft_min_reward=0.5)  # fmt: skip
     store = MemoryStore()
-    learner = Learner(cfg, store, world)
+    learner = Learner(cfg.for_learner(), store, world)
     store.write_groups(_groups(learner.engine.module, 2))
     chosen = store.sft_episodes(run_id="lt", min_reward=0.5)
     first = run_sft(learner)
