@@ -51,8 +51,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sandpiper.store import Store
-from sandpiper.store.slots import task_rank
 from sandpiper.store.records import PolicyRecord, RunRecord
+from sandpiper.store.slots import task_rank
 from sandpiper.testing import make_group
 
 GROUP_SIZE = 8

@@ -84,8 +84,8 @@ def test_parquet_needs_out(analysis_duckdb_url: str) -> None:
 
 def test_sql_reads_while_a_writer_commits(tmp_path) -> None:
     """Readers wait briefly for the writer's lock and never fail or see partial groups."""
-    from sandpiper.testing.synthetic import populate, synthetic_run
     from sandpiper.store import Store
+    from sandpiper.testing.synthetic import populate, synthetic_run
 
     url = f"duckdb:///{tmp_path / 'live.duckdb'}"
     store = Store(url)
@@ -152,8 +152,8 @@ def test_report_of_an_empty_store(tmp_path) -> None:
 
 
 def test_report_never_mixes_runs(tmp_path) -> None:
-    from sandpiper.testing.synthetic import populate, synthetic_run
     from sandpiper.store import Store
+    from sandpiper.testing.synthetic import populate, synthetic_run
 
     url = f"duckdb:///{tmp_path / 'two.duckdb'}"
     store = Store(url)

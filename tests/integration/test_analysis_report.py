@@ -79,8 +79,8 @@ store transactions, so all 199 would add ~20 s for nothing the unit tests do not
 def long_report(tmp_path_factory) -> Path:
     """The report of a run whose episodes span 200 policy versions (one group of 4 each,
     written in one batch), with :data:`LONG_STEPS` learner steps claimed and registered."""
-    from sandpiper.testing.synthetic import synthetic_run
     from sandpiper.store import Store
+    from sandpiper.testing.synthetic import synthetic_run
 
     base = tmp_path_factory.mktemp("long-report")
     url = f"duckdb:///{base / 'store.duckdb'}"

@@ -45,8 +45,8 @@ def _hostile(episode):
 
 @pytest.fixture(scope="module")
 def hostile_store(tmp_path_factory):
-    from sandpiper.testing.synthetic import populate, synthetic_run
     from sandpiper.store import Store
+    from sandpiper.testing.synthetic import populate, synthetic_run
 
     run = synthetic_run(seed=1, num_versions=1, groups_per_version=2, group_size=2)
     for version, groups in run.groups_by_version.items():

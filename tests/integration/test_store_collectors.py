@@ -14,8 +14,8 @@ import sqlalchemy as sa
 
 from sandpiper.errors import DuplicateGroupError
 from sandpiper.store import Store, migrations
-from sandpiper.store.slots import task_rank
 from sandpiper.store.records import RunRecord, SlotLease, WriteOutcome
+from sandpiper.store.slots import task_rank
 from sandpiper.testing import make_group
 from tests.integration.test_store_backends import store_url  # noqa: F401  (fixture)
 

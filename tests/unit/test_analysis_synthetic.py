@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from sandpiper.testing.synthetic import synthetic_run
 from sandpiper.analysis.views import IMPORTANCE_METRICS
 from sandpiper.store.records import INFRA_STOPS, ToolErrorKind
+from sandpiper.testing.synthetic import synthetic_run
 
 
 def test_it_is_reproducible() -> None:

@@ -13,8 +13,8 @@ import pytest
 from sandpiper.collector.launch import adopt_orphan_spools
 from sandpiper.collector.sandbox.janitor import ContainerInfo, Verdict, judge
 from sandpiper.store import Store
-from sandpiper.store.slots import new_collector_id, task_rank
 from sandpiper.store.records import RunRecord, Split
+from sandpiper.store.slots import new_collector_id, task_rank
 from sandpiper.testing import make_group
 
 

@@ -20,7 +20,6 @@ import sqlalchemy as sa
 
 from sandpiper.errors import StoreError
 from sandpiper.store import Store, schema, spool, to_arrow
-from sandpiper.store.slots import task_rank
 from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,
@@ -34,6 +33,7 @@ from sandpiper.store.records import (
     TurnRecord,
     WriteOutcome,
 )
+from sandpiper.store.slots import task_rank
 from sandpiper.store.validation import check_group
 from sandpiper.testing import make_group
 
