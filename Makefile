@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit lint bench clean help
+.PHONY: setup demo test test-fast test-unit lint bench clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -15,10 +15,20 @@ setup:  ## install system packages (as root), the venv, the sandbox image and th
 demo: setup  ## run the whole pipeline on the embedded defaults
 	$(VENV)/bin/sandpiper demo
 
-test: setup  ## run every test tier (unit, integration, e2e)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+# Tiers (docs/testing.md): the test's folder and fixtures mark it (tests/conftest.py). Both
+# targets run in TEST_WORKERS pytest-xdist processes; each runs a test module's tests in
+# order, and one of them runs every test of the shared vLLM server (one server, not one each).
+# Groups start in collection order (e2e, integration, unit), so the longest start first.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-test-unit:  ## fast tests only (no services)
+test: setup  ## every test, all tiers (unit, integration, e2e) in parallel
+	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
+
+test-fast: setup  ## before each commit: unit tests + one real episode (podman, DuckDB, vLLM)
+	$(PY) -m pytest tests -m "unit or smoke" $(XDIST) -q $(PYTEST_ARGS)
+
+test-unit:  ## unit tests only (no services)
 	bash scripts/setup.sh venv
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 

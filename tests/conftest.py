@@ -12,6 +12,13 @@
   keeps the normal teardown.
 - A failing test's report is rendered with the garbage collector paused (see
   ``pytest_runtest_makereport``).
+- Tiers are marked by rule, never by a hand list (``pytest_collection_modifyitems``, and
+  docs/testing.md): a test's folder gives its tier marker (``unit``, ``integration``,
+  ``e2e``); a test that asks for the shared ``vllm_server`` is marked ``vllm``; ``smoke``
+  is set by the test itself. Under pytest-xdist (``make test``) every test is placed in a
+  group that one worker runs in order: its module (so module fixtures, such as a sandbox
+  pool kept for a module, start once), except that every user of the shared vLLM server
+  joins one group, so one worker starts one server for all of them.
 """
 
 from __future__ import annotations
@@ -48,6 +55,30 @@ def require(service: str, available: bool, why: str = "") -> None:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+TIER_DIRS = ("unit", "integration", "e2e")
+"""``tests/<dir>/`` -> the tier marker of every test in it."""
+SHARED_SERVER_FIXTURES = {"vllm_server": "vllm"}
+"""Session fixtures that start a server too costly to start once per xdist worker (vLLM:
+45-130 s and ~2.5 GB on 2 cores) -> the marker and xdist group of every test that uses one."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        parts = path.relative_to(tests_dir).parts if path.is_relative_to(tests_dir) else ()
+        if parts and parts[0] in TIER_DIRS:
+            item.add_marker(parts[0])
+        group = parts and "/".join(parts)
+        for fixture, marker in SHARED_SERVER_FIXTURES.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+                group = f"shared-{marker}"
+        if group and not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(hookwrapper=True)
