@@ -125,12 +125,12 @@ async def final_commit(writer: Any, store: Any, collector_id: str, deadline: flo
 
 
 def close_writer(writer: Any) -> None:
-    """Close ``writer`` if it has committed everything; otherwise leave it (closing would
-    flush without a deadline): its groups stay in the spool, its thread is a daemon and its
-    spool lock goes with the process."""
+    """Close ``writer`` if it has committed everything; otherwise abandon it (closing would
+    flush without a deadline): its groups stay in the spool and the spool is released."""
     left = writer.pending()
     if left:
         log.debug("leaving %d uncommitted groups in %s", left, writer.spool)  # said once
+        writer.abandon()
         return
     writer.close()
 

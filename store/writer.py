@@ -103,6 +103,7 @@ class GroupWriter:
         self._pending_episodes = 0
         self._flush_requested = False
         self._closed = False
+        self._abandoned = False
         self.last_error: BaseException | None = None
         self.committed_groups = 0
         """Groups newly stored by this writer (re-sent duplicates are not counted)."""
@@ -186,6 +187,21 @@ class GroupWriter:
             self._thread.join()
             self._owner.release()
 
+    def abandon(self) -> int:
+        """Stop without committing what is left (a stop whose deadline passed while the
+        store does not answer): the groups stay in the spool, acknowledged, for the next
+        writer on it; the spool is released at once. A commit already under way may still
+        finish (its groups are then stored and their files removed). Returns the groups
+        left uncommitted."""
+        with self._cond:
+            if self._closed:
+                return len(self._pending)
+            self._closed = self._abandoned = True
+            left = len(self._pending)
+            self._cond.notify_all()
+        self._owner.release()
+        return left
+
     def __enter__(self) -> GroupWriter:
         return self
 
@@ -199,6 +215,8 @@ class GroupWriter:
         with self._cond:
             due = time.monotonic() + self.flush_interval_s
             while True:
+                if self._abandoned:
+                    return None
                 if self._pending and (
                     self._flush_requested
                     or self._closed

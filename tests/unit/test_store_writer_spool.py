@@ -503,3 +503,36 @@ def test_put_checks_sampler_output_once_and_reports_the_checked_group(store, tmp
         store, "SELECT n_valid, status FROM groups JOIN group_states USING (group_id)"
     )
     assert (n_valid, status) == (1, "invalid")
+
+
+def test_abandon_leaves_the_groups_spooled_and_releases_the_spool(tmp_path):
+    """A stop whose deadline passed: nothing more is committed, the spool is free at once,
+    and the next writer on it commits what was acknowledged."""
+    from sandpiper.store.writer import GroupWriter
+
+    store = Store(f"duckdb:///{tmp_path / 's.duckdb'}", lock_timeout_s=5)
+    store.init()
+    calls = []
+
+    class Down:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def write_groups_report(self, groups):
+            calls.append(len(groups))
+            raise sa.exc.OperationalError("COMMIT", {}, Exception("server down"))
+
+        def ping(self):
+            raise sa.exc.OperationalError("SELECT 1", {}, Exception("server down"))
+
+    spool_dir = str(tmp_path / "spool")
+    w = GroupWriter(Down(), flush_interval_s=0.05, flush_max_episodes=1, spool_dir=spool_dir)
+    w.put(make_group("g0"))
+    with pytest.raises(StoreError, match="not committed"):
+        w.flush(timeout_s=0.5)
+    assert w.abandon() == 1 and w.dead_groups == 0
+    with GroupWriter(store, flush_interval_s=0.05, flush_max_episodes=1,
+                     spool_dir=spool_dir) as again:  # fmt: skip
+        again.flush(timeout_s=30)
+        assert again.committed_groups == 1
+    assert store.group_ids("run") == ["g0"] and calls
