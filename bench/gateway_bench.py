@@ -419,10 +419,10 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
             try:
                 one = await measure(client, renderer, args, 1, args.episodes)
                 many = await measure(client, renderer, args, 16, args.episodes_c16)
+                out |= _figures(one, "gateway", "") | _figures(many, "gateway", "_c16")
+                out |= await _per_api(client, renderer, args, one, many)
             finally:
                 await client.aclose()
-            out |= _figures(one, "gateway", "") | _figures(many, "gateway", "_c16")
-            out |= await _per_api(client, renderer, args, one, many)
             if args.agent_direct and "agent_direct_calls_timed" not in out:
                 print("--agent-direct: no call could be timed from vLLM's metrics (no "
                       "vllm:e2e_request_latency_seconds at /metrics: --disable-log-stats?)",
