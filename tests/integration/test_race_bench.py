@@ -41,7 +41,7 @@ def test_a_one_minute_race_writes_both_curves(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "samples per step" in done.stdout and "DIFFERS" not in done.stdout
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert {"trl", "sandpiper"} <= set(summary)
+    assert {"trl_samples_per_hour", "sandpiper_samples_per_hour"} <= set(summary)
     result = json.loads((runs / "tiny-sum" / "race.json").read_text())
     for side in ("trl", "sandpiper"):
         points = result["curves"][side]
