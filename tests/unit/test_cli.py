@@ -76,7 +76,11 @@ def test_bad_override_is_one_clear_line() -> None:
 def test_the_deepspeed_launchers_local_rank_is_stripped(monkeypatch):
     from sandpiper.cli import strip_local_rank
 
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # set, then deleted: the undo then removes what strip_local_rank writes (a bare
+    # delenv of an absent variable records nothing, and LOCAL_RANK=0 leaked into later
+    # tests of the same process: accelerate then took it for a distributed launch)
+    monkeypatch.setenv("LOCAL_RANK", "")
+    monkeypatch.delenv("LOCAL_RANK")
     argv = ["learn", "-c", "run.toml", "--learner.lr", "1e-3", "--local_rank=1"]
     assert strip_local_rank(argv) == argv[:-1]
     import os
