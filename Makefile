@@ -26,7 +26,7 @@ test: setup  ## every test, all tiers (unit, integration, e2e) in parallel
 	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup  ## before each commit: unit tests + one real episode (podman, DuckDB, vLLM)
-	$(PY) -m pytest tests -m "unit or smoke" $(XDIST) -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "(unit and not slow) or smoke" $(XDIST) -q $(PYTEST_ARGS)
 
 test-unit:  ## unit tests only (no services)
 	bash scripts/setup.sh venv
