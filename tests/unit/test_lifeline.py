@@ -126,12 +126,16 @@ def test_a_stop_is_not_held_by_calls_blocked_in_threads():
     assert elapsed < 10, elapsed
 
 
-def test_close_writer_leaves_a_writer_that_holds_groups():
+def test_close_writer_abandons_a_writer_that_holds_groups():
     from sandpiper.collector.shutdown import close_writer
 
     class Writer:
         spool = Path("/spool")
-        closed = False
+        closed = abandoned = False
+
+        def abandon(self) -> int:
+            self.abandoned = True
+            return self._pending
 
         def __init__(self, pending: int) -> None:
             self._pending = pending
@@ -145,4 +149,4 @@ def test_close_writer_leaves_a_writer_that_holds_groups():
     holding, empty = Writer(2), Writer(0)
     close_writer(holding)
     close_writer(empty)
-    assert not holding.closed and empty.closed
+    assert not holding.closed and holding.abandoned and empty.closed and not empty.abandoned
