@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -179,6 +180,12 @@ TRL_REWARD = re.compile(r"'reward': '([-\d.e]+)'")
 """The training reward TRL prints each step (``logging_steps = 1``)."""
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str, Any]:
     """bench/race_trl.py in its own process for the budget (plus the step in flight)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +195,9 @@ def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str
     spec_path.write_text(json.dumps({**spec, "t0_epoch": t0}))
     # One process: all cores for torch (Sandpiper's three processes take one thread each).
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "PYTHONUNBUFFERED": "1"}
+    # Its own rendezvous port, picked now: one inherited from the caller (a test process
+    # that ran a learner) may be taken by then (EADDRINUSE).
+    env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(_free_port())
     with (out / "trl.log").open("ab") as log:
         proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "race_trl.py"), str(spec_path)],
                                 stdout=log, stderr=log, env=env, start_new_session=True)  # fmt: skip

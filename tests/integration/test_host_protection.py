@@ -162,9 +162,14 @@ def test_busy_sandboxes_cannot_starve_the_host(sandbox_pool):
     for the collector that serves them, still gets about one core. Each sandbox weighs a
     quarter of a host process (``host_state.SANDBOX_CPU_SHARES``): the host process gets
     1024 / (1024 + 4 × 256) of the two cores = 1 core; at a host process's weight it got
-    1024 / (5 × 1024) × 2 = 0.4 core."""
+    1024 / (5 × 1024) × 2 = 0.4 core.
+
+    Measured against the share the same probe gets just before, without the sandboxes: other
+    host processes (a parallel test worker) take their part of both measures. With one busy
+    competitor the expected ratio is 0.67 (0.33 at host weight), with none 1.0 (0.4)."""
 
     async def go():
+        baseline = await asyncio.to_thread(_cpu_share_of_a_busy_host_process, 2.0)
         async with sandbox_pool(pool_size=4) as pool:
             boxes = [await pool.acquire(episode_id=f"e{i}", task_id="t") for i in range(4)]
             burn = "for i in 1 2; do timeout 8 sh -c 'while :; do :; done' & done; echo started"
@@ -174,8 +179,11 @@ def test_busy_sandboxes_cannot_starve_the_host(sandbox_pool):
             share = await asyncio.to_thread(_cpu_share_of_a_busy_host_process, 4.0)
             for box in boxes:
                 await pool.release(box)
-            return share
+            return share, baseline
 
-    share = asyncio.run(go())
-    print(f"a busy host process got {share:.2f} of a core")
-    assert share > 0.7, f"a busy host process got {share:.2f} of a core against 4 busy sandboxes"
+    share, baseline = asyncio.run(go())
+    print(f"a busy host process got {share:.2f} of a core ({baseline:.2f} without sandboxes)")
+    assert share > 0.5 * baseline, (
+        f"a busy host process got {share:.2f} of a core against 4 busy sandboxes, "
+        f"{baseline:.2f} without them"
+    )
