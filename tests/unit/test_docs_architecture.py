@@ -9,7 +9,9 @@ import re
 from tests.conftest import REPO
 
 DOC = REPO / "docs" / "architecture.md"
-PATH = re.compile(r"`((?:collector|store|trainer|analysis|sandpiper|bench|tests)/[\w/.]*)(?::[\w.]+)?`")
+PATH = re.compile(
+    r"`((?:collector|store|trainer|analysis|sandpiper|bench|tests)/[\w/.]*)(?::[\w.]+)?`"
+)
 FUNC = re.compile(r"`((?:collector|store|trainer|analysis|sandpiper)/[\w/]+\.py):(\w+(?:\.\w+)?)`")
 
 
