@@ -38,8 +38,9 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 
+from sandpiper.collector.sandbox.client import PodmanSandbox
+from sandpiper.collector.sandbox.containers import run_podman
 from sandpiper.collector.sandbox.image import ensure_image
-from sandpiper.collector.sandbox.podman import PodmanSandbox, run_podman
 from sandpiper.collector.sandbox.pool import SandboxPool
 from sandpiper.config import SandboxConfig
 

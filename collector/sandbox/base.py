@@ -1,6 +1,6 @@
 """The sandbox contract: a small Protocol the agent loop and tools depend on.
 
-``collector.sandbox.podman`` implements it with podman containers and a persistent shell;
+``collector.sandbox.client`` implements it with podman containers and a persistent shell;
 unit tests use a fake. Failures of the *command* are data (``ExecOutcome``); failures of the
 *sandbox itself* that make further use impossible raise ``SandboxError``.
 """
@@ -45,7 +45,7 @@ class ExecResult:
 
 @dataclass(frozen=True, slots=True)
 class GradeRequest:
-    """What ``submit`` asks the sandbox to grade (see ``collector.sandbox._grader``)."""
+    """What ``submit`` asks the sandbox to grade (see ``collector.sandbox.supervisor.grader``)."""
 
     answer: bytes
     """The submitted answer; the grader writes it to ``$ANSWER_FILE``."""

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sandpiper.collector.sandbox.base import ExecOutcome
-from sandpiper.collector.sandbox.containers import EXPIRES_LABEL, PURPOSE_LABEL
-from sandpiper.collector.sandbox.podman import PodmanSandbox, run_podman
+from sandpiper.collector.sandbox.client import PodmanSandbox
+from sandpiper.collector.sandbox.containers import EXPIRES_LABEL, PURPOSE_LABEL, run_podman
 from sandpiper.collector.sandbox.uids import UidSlots
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError, SandboxLimitsNotEnforced
@@ -225,7 +225,7 @@ async def _supervisor_untouchable(box: PodmanSandbox, config: SandboxConfig) -> 
 
 async def _host_paths_hidden(box: PodmanSandbox, config: SandboxConfig) -> CheckResult:
     """No mount in the sandbox names the project's folder on the host (the supervisor and
-    grader are mounted from copies: ``podman.mounted_files``)."""
+    grader are mounted from copies: ``isolation.mounted_files``)."""
     r = await box.exec("cat /proc/self/mountinfo", timeout_s=10)
     leaked = str(CHECKOUT) in r.stdout
     detail = f"{CHECKOUT} visible in /proc/self/mountinfo" if leaked else "no host checkout path"

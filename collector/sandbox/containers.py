@@ -1,12 +1,16 @@
-"""The host's view of sandbox containers: listing them by label, removing them, and the
-per-container registry file (which episode and task a container serves).
+"""The host's view of sandbox containers: the podman CLI (:func:`run_podman`, every call
+made from a private folder), listing containers by label, removing them with what the host
+kept for each (socket and cgroup folders), and the per-container registry file (which
+episode and task a container serves).
 
-Below both the pool (which starts and removes its own containers) and the janitor (which
-judges other collectors' containers by the store's heartbeats), so neither imports the other.
+Below the sandbox client, the pool (which starts and removes its own containers) and the
+janitor (which judges other collectors' containers by the store's heartbeats), so none of
+them imports another for these.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -16,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandpiper.collector.sandbox.podman import remove_containers_by_name, run_podman
+from sandpiper.collector.sandbox import host_state
+from sandpiper.errors import SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +34,81 @@ EXPIRES_LABEL = "sandpiper.expires"
 or killed (the check bounds itself by that time)."""
 REGISTRY_DIR = Path(tempfile.gettempdir()) / "sandpiper-sandboxes"
 """Host-side ``<container>.json`` files: which episode and task each container serves."""
+START_TIMEOUT_S = 60.0
+"""How long a sandbox's start may take (its shell's ready line, then its socket); host
+state younger than twice this may belong to a container being made."""
+
+
+def podman_cwd() -> str:
+    """The working directory of every podman client Sandpiper starts.
+
+    conmon 2.1 (Debian 12's, under podman 4.3) writes an empty ``oom`` marker into ITS
+    working directory when a process of a ``podman exec`` session is OOM-killed, and it
+    inherits the client's: an agent's memory hog left ``oom`` in whatever folder the
+    collector (or ``sandpiper sandbox check``, or pytest) was started from — the user's
+    checkout. This private folder takes it instead."""
+    path = Path(tempfile.gettempdir()) / "sandpiper-podman"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return str(path)
+
+
+async def run_podman(*args: str, stdin: bytes | None = None, timeout_s: float = 120.0) -> bytes:
+    """Run one podman CLI call; raise :class:`SandboxError` with its stderr on failure."""
+    proc = await asyncio.create_subprocess_exec(
+        "podman",
+        *args,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=podman_cwd(),
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
+    except TimeoutError:
+        await _reap(proc)
+        raise SandboxError(f"podman {args[0]} timed out after {timeout_s:.0f} s") from None
+    except asyncio.CancelledError:
+        await _reap(proc)  # never leave a podman client running behind a cancelled task
+        raise
+    if proc.returncode != 0:
+        raise SandboxError(f"podman {' '.join(args[:2])} failed: {err.decode()[-2000:].strip()}")
+    return out
+
+
+async def remove_containers_by_name(names: list[str], attempts: int = 4) -> None:
+    """``podman rm -f``, retried (on podman 4.3 a removal racing another podman call can
+    fail with "unlinkat …/userdata/shm: device or resource busy"), then what the host kept
+    for each container (:func:`.host_state.forget`). Every removal goes through here."""
+    for attempt in range(attempts):
+        try:
+            await run_podman("rm", "-f", "-t", "0", "--ignore", *names)
+            break
+        except SandboxError:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.2 * 2**attempt)
+    await asyncio.gather(*(host_state.forget(name) for name in names))
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.kill()
+    await proc.wait()
+
+
+async def sweep_stale_host_state() -> int:
+    """Remove the cgroup and socket folders (:mod:`.host_state`) of containers podman no
+    longer has (removed by ``sandbox gc``, their collector killed, or their conmon outlived
+    the removal); returns how many."""
+    if not host_state.names_on_host():
+        return 0
+    known = set((await run_podman("ps", "-a", "--format", "{{.Names}}")).decode().split())
+    return host_state.sweep(known, min_age_s=2 * START_TIMEOUT_S)
+
+
+def collector_id() -> str:
+    """``hostname:pid`` of this process (the ``sandpiper.collector`` label)."""
+    return f"{os.uname().nodename}:{os.getpid()}"
 
 
 @dataclass(frozen=True)

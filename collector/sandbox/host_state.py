@@ -3,7 +3,7 @@ top-level cgroup folders and the folder of its shell's Unix socket.
 
 Both are made before ``podman run`` and must go with the container. Every removal goes
 through ``podman.remove_containers_by_name``, which calls :func:`forget`; what a crashed
-collector left behind goes at the next pool start (``podman.sweep_stale_host_state``, which
+collector left behind goes at the next pool start (``containers.sweep_stale_host_state``, which
 asks podman which containers still exist and calls :func:`sweep`). This module only touches
 the host's file systems; it never calls podman.
 """

@@ -32,9 +32,9 @@ from sandpiper.collector.sandbox.containers import (  # noqa: F401 (re-exported:
     ContainerInfo,
     list_containers,
     remove_containers,
+    remove_containers_by_name,
     remove_registry,
 )
-from sandpiper.collector.sandbox.podman import remove_containers_by_name
 
 GRACE_S = 3600.0
 """Containers of collectors unknown to the store are kept at least this long."""

@@ -33,14 +33,16 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Mapping
 
+from sandpiper.collector.sandbox.client import PodmanSandbox
 from sandpiper.collector.sandbox.containers import (  # noqa: F401 (REGISTRY_DIR, read_registry: API)
     REGISTRY_DIR,
+    collector_id,
     read_registry,
     remove_containers,
     remove_registry,
+    sweep_stale_host_state,
     write_registry,
 )
-from sandpiper.collector.sandbox.podman import PodmanSandbox, collector_id, sweep_stale_host_state
 from sandpiper.collector.sandbox.uids import UidSlots
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError

@@ -3,7 +3,7 @@
 Absolute sandbox paths map to ``root/<path>`` (``/workspace/a.py`` → ``root/workspace/a.py``).
 ``exec`` runs local ``bash -c`` in the mapped working directory, with absolute paths in
 ``env`` values mapped the same way, or calls a scripted ``handler``. It implements the same
-extended API as :class:`~sandpiper.collector.sandbox.podman.PodmanSandbox` (``stat``, ``probe``,
+extended API as :class:`~sandpiper.collector.sandbox.client.PodmanSandbox` (``stat``, ``probe``,
 ``read_file(limit=)``, ``read_lines``, ``list_tree``, ``kill_all``, ``grade``,
 ``copy_in(replace=)``, ``exec(clean_env=)``). No isolation at all: tests only.
 

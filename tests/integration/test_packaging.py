@@ -50,7 +50,7 @@ def test_the_wheel_has_one_top_level_name_and_every_part(wheel: Path) -> None:
     for part in PARTS:
         assert f"sandpiper/{part}/__init__.py" in names, part
     # Files the parts read at run time, not only modules.
-    assert "sandpiper/collector/sandbox/_supervisor.py" in names
+    assert "sandpiper/collector/sandbox/supervisor/__main__.py" in names
     assert "sandpiper/analysis/templates/report.html.j2" in names
     assert "sandpiper/data/chat_template.jinja" in names
 
@@ -67,7 +67,7 @@ def test_the_installed_wheel_imports_as_sandpiper_parts_only(wheel: Path, tmp_pa
     probe = (
         "import importlib, importlib.util, sys\n"
         f"sys.path.insert(0, {str(target)!r})\n"
-        "import sandpiper.store.records, sandpiper.collector.sandbox.podman, "
+        "import sandpiper.store.records, sandpiper.collector.sandbox.client, "
         "sandpiper.trainer.loss, sandpiper.analysis.views\n"
         f"assert sandpiper.store.records.__file__.startswith({str(target)!r})\n"
         f"print([p for p in {PARTS!r} if importlib.util.find_spec(p) is not None])\n"

@@ -1,7 +1,7 @@
 """What a sandbox may see of the host, and what a killed ``sandpiper sandbox check`` leaves.
 
 - ``/proc/self/mountinfo`` in a sandbox names no path of the project's checkout: the
-  supervisor and grader are mounted from content-addressed copies (``podman.mounted_files``).
+  supervisor and grader are mounted from content-addressed copies (``isolation.mounted_files``).
 - A ``sandpiper sandbox check`` killed with SIGKILL mid-run leaves its container labelled as
   a check with an expiry: the janitor keeps it while the check could still be running and
   removes it after (not "unknown" for an hour).
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.integration]
 
 
 def test_mountinfo_names_no_host_checkout_path(sandbox_pool):
-    from sandpiper.collector.sandbox.podman import MOUNTED_FILES_ROOT
+    from sandpiper.collector.sandbox.isolation import MOUNTED_FILES_ROOT, SUPERVISOR_DIR
 
     async def mountinfo() -> str:
         async with (
@@ -39,7 +39,7 @@ def test_mountinfo_names_no_host_checkout_path(sandbox_pool):
     for path in {str(REPO), os.path.realpath(REPO)}:
         assert path not in text, [line for line in text.splitlines() if path in line]
     # the supervisor and grader are there, from the copies
-    assert "/.sandpiper/supervisor.py" in text and "/.sandpiper/grader.py" in text
+    assert f" {SUPERVISOR_DIR} " in text
     assert str(MOUNTED_FILES_ROOT.name) in text
 
 
@@ -54,9 +54,8 @@ def _check_containers() -> list[dict]:
 
 def test_a_killed_sandbox_check_leaves_a_container_the_janitor_knows(sandbox_image, tmp_path):
     from sandpiper.collector.sandbox.check import CHECK_DEADLINE_S
-    from sandpiper.collector.sandbox.containers import EXPIRES_LABEL
+    from sandpiper.collector.sandbox.containers import EXPIRES_LABEL, remove_containers_by_name
     from sandpiper.collector.sandbox.janitor import Verdict, judge
-    from sandpiper.collector.sandbox.podman import remove_containers_by_name
 
     before = {c["name"] for c in _check_containers()}
     log = tmp_path / "check.log"

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from sandpiper.collector.sandbox.base import ExecOutcome
+from sandpiper.collector.sandbox.client import PodmanSandbox
+from sandpiper.collector.sandbox.containers import collector_id
 from sandpiper.collector.sandbox.janitor import gc, list_containers, remove_containers
-from sandpiper.collector.sandbox.podman import PodmanSandbox, collector_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -90,9 +91,9 @@ def test_files_round_trip_byte_exact(sandbox_pool, tmp_path: Path):
 
 
 def test_watchdog_restarts_a_hung_shell(sandbox_pool, monkeypatch):
-    import sandpiper.collector.sandbox.podman as podman
+    import sandpiper.collector.sandbox.client as client
 
-    monkeypatch.setattr(podman, "WATCHDOG_GRACE_S", 2.0)
+    monkeypatch.setattr(client, "WATCHDOG_GRACE_S", 2.0)
 
     async def go():
         async with (
@@ -104,7 +105,7 @@ def test_watchdog_restarts_a_hung_shell(sandbox_pool, monkeypatch):
             assert r.outcome is ExecOutcome.OK and "rc=0" not in r.stdout and b.restarts == 0
             # ... the host can: then only the host-side watchdog can get out of this
             pid = (await b.ping())["pid"]
-            await podman.run_podman("exec", b.name, "kill", "-STOP", str(pid))
+            await client.run_podman("exec", b.name, "kill", "-STOP", str(pid))
             r = await b.exec("sleep 1", timeout_s=1)
             assert r.outcome is ExecOutcome.TIMED_OUT
             assert b.restarts == 1 and b.alive
@@ -343,7 +344,7 @@ def test_each_sandbox_weighs_a_quarter_of_a_host_process_and_runs_static_bash(sa
             return int(pid), shell, shares, mine
 
     pid, shell, shares, mine = asyncio.run(go())
-    assert shell == "/usr/bin/bash-static"  # commands start in the static bash (_supervisor)
+    assert shell == "/usr/bin/bash-static"  # commands start in the static bash (supervisor/run.py)
     assert pid > 1 and shares == str(SANDBOX_CPU_SHARES) == "256"
     assert mine, "no process of the sandbox under its own cpu cgroup"
 
@@ -375,7 +376,7 @@ def test_a_start_cancelled_mid_way_leaves_no_container_or_runc_behind(
     while it warms up) lets the run finish and removes the container: killing the podman
     client between runc's create and start left a ``runc init`` and its conmon behind,
     which no removal by name or label reached."""
-    from sandpiper.collector.sandbox.podman import PodmanSandbox
+    from sandpiper.collector.sandbox.client import PodmanSandbox
 
     def runc_and_conmon() -> set[int]:
         found = set()

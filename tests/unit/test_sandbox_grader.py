@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 
-from sandpiper.collector.sandbox import _grader
+from sandpiper.collector.sandbox.supervisor import grader as _grader
 
 
 def test_make_plain_refuses_links_fifos_sockets_and_breaks_hard_links(tmp_path):

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from sandpiper.collector.sandbox.base import ExecOutcome, Sandbox
+from sandpiper.collector.sandbox.client import PodmanSandbox, join_capped
 from sandpiper.collector.sandbox.image import ImageRecipe
-from sandpiper.collector.sandbox.podman import PodmanSandbox, container_argv, join_capped
+from sandpiper.collector.sandbox.isolation import container_argv
 from sandpiper.collector.sandbox.uids import UidSlots, register_subid_range
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError

@@ -1,4 +1,4 @@
-"""The shell's state report (``declare -px`` parsed by ``_supervisor.parse_state``) keeps
+"""The shell's state report (``declare -px`` parsed by ``supervisor.state.parse_state``) keeps
 every exported value byte-exact, compared with what a program started by that bash sees in
 its environment: the exact answer, whatever the value holds."""
 
@@ -8,7 +8,7 @@ import os
 import random
 import subprocess
 
-from sandpiper.collector.sandbox import _supervisor as sup
+from sandpiper.collector.sandbox.supervisor import state as sup
 
 NASTY = [
     "", "plain", "two words", 'q"uote', "back\\slash", "dol$lar", "back`tick", "it's",

@@ -1,6 +1,8 @@
-"""The in-container shell (``_supervisor.py``) run locally: framing, capping, state, timeouts.
+"""The in-container shell (``collector/sandbox/supervisor/``) run locally: framing, capping,
+state, timeouts; the folder stays standard-library only, and its mounted copy covers all of it.
 
-It runs here as a plain subprocess (no container), so nothing in these tests may ask it to
+It runs here as a plain subprocess (no container), started as the host starts it in a
+sandbox (``python3 -I .../supervisor/__main__.py``), so nothing in these tests may ask it to
 kill processes; it refuses ``kill -1`` outside a sandbox anyway (checked below).
 """
 
@@ -15,12 +17,16 @@ import tarfile
 import pytest
 
 from sandpiper.collector.sandbox.base import ExecOutcome
-from sandpiper.collector.sandbox.podman import SUPERVISOR_HOST_PATH, _exec_result
+from sandpiper.collector.sandbox.client import _exec_result
+from sandpiper.collector.sandbox.isolation import SUPERVISOR_HOST_DIR
+
+SUPERVISOR = [sys.executable, "-I", str(SUPERVISOR_HOST_DIR / "__main__.py")]
+"""How the host starts it in a sandbox: isolated mode, no folder on ``sys.path``."""
 
 
 class Shell:
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(SUPERVISOR_HOST_PATH)],
+        self.proc = subprocess.Popen(SUPERVISOR,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
         assert json.loads(self.proc.stdout.readline())["ready"]
 
@@ -120,19 +126,19 @@ def test_line_range_reads_scan_a_bounded_amount(tmp_path, monkeypatch):
     """A sparse file of any size costs no space: a line-range read stops scanning it."""
     import errno
 
-    from sandpiper.collector.sandbox import _supervisor
+    from sandpiper.collector.sandbox.supervisor import files
 
-    monkeypatch.setattr(_supervisor, "MAX_SCAN_BYTES", 1 << 20)
+    monkeypatch.setattr(files, "MAX_SCAN_BYTES", 1 << 20)
     sparse = tmp_path / "sparse"
     with open(sparse, "wb") as f:
         f.truncate(1 << 40)  # 1 TB
     with pytest.raises(OSError) as raised:
-        _supervisor.read_lines({"path": str(sparse), "first": 1, "last": 2, "limit": 100})
+        files.read_lines({"path": str(sparse), "first": 1, "last": 2, "limit": 100})
     assert raised.value.errno == errno.EFBIG
     small = tmp_path / "small"
     small.write_bytes(b"a\nb\nc\n")
     req = {"path": str(small), "first": 2, "last": 2, "limit": 100}
-    assert _supervisor.read_lines(req) == ({"n_lines": 4, "truncated": False}, b"b\n")
+    assert files.read_lines(req) == ({"n_lines": 4, "truncated": False}, b"b\n")
 
 
 def test_listen_serves_one_peer_over_a_unix_socket_and_unlinks_it(tmp_path):
@@ -142,7 +148,7 @@ def test_listen_serves_one_peer_over_a_unix_socket_and_unlinks_it(tmp_path):
     import socket
 
     path = tmp_path / "s"
-    proc = subprocess.Popen([sys.executable, str(SUPERVISOR_HOST_PATH), "--listen", str(path)],
+    proc = subprocess.Popen([*SUPERVISOR, "--listen", str(path)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)  # fmt: skip
     try:
         ready = json.loads(proc.stdout.readline())
@@ -242,3 +248,47 @@ def test_a_launcher_whose_limits_the_agent_lowered_is_replaced(shell):
     assert r.ok, r
     r = shell.exec("echo $PPID")
     assert r.ok and r.stdout.strip() not in ("", launcher), r
+
+
+def test_the_supervisor_imports_only_the_standard_library_and_its_own_modules():
+    """The container has python3 and nothing else: every module of the folder imports the
+    standard library or a sibling (relatively: ``supervisor`` in a sandbox)."""
+    import ast
+
+    siblings = {p.stem for p in SUPERVISOR_HOST_DIR.glob("*.py")}
+    for path in sorted(SUPERVISOR_HOST_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [(node.module or "").split(".")[0]]
+            elif isinstance(node, ast.ImportFrom):  # relative: a sibling of this folder
+                names = []
+                assert node.level == 1, (path.name, node.lineno)
+                assert node.module is None or node.module in siblings, (path.name, node.module)
+                assert node.module or {a.name for a in node.names} <= siblings, path.name
+            else:
+                continue
+            outside = [n for n in names if n not in sys.stdlib_module_names]
+            assert not outside, f"{path.name}:{node.lineno} imports {outside}"
+
+
+def test_the_mounted_copy_holds_every_file_and_its_name_covers_them(tmp_path, monkeypatch):
+    """``mounted_files`` copies the whole folder, and a change to any file (or a new file)
+    names a new copy: no sandbox runs a mix of two versions."""
+    from sandpiper.collector.sandbox import isolation
+
+    monkeypatch.setattr(isolation, "MOUNTED_FILES_ROOT", tmp_path)
+    ((inside, copy),) = isolation.mounted_files().items()
+    assert inside == isolation.SUPERVISOR_DIR
+    files = isolation.supervisor_files()
+    assert {"__main__.py", "server.py", "grader.py"} <= set(files)
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == files
+    assert copy.parent.name == isolation.content_digest(files)
+    assert oct(copy.parent.stat().st_mode & 0o777) == "0o700"
+    digests = {isolation.content_digest(files)}
+    for name in files:
+        changed = {**files, name: files[name] + b"\n"}
+        digests.add(isolation.content_digest(changed))
+    digests.add(isolation.content_digest({**files, "extra.py": b""}))
+    assert len(digests) == len(files) + 2

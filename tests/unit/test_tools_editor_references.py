@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from sandpiper.collector.sandbox import _supervisor
 from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
+from sandpiper.collector.sandbox.supervisor import files as _supervisor_files
 from sandpiper.collector.tools.editor import (
     MAX_EDIT_BYTES,
     TRUNCATED_MESSAGE,
@@ -184,8 +184,8 @@ def test_views_read_only_what_they_show(fake_sandbox):
 def test_supervisor_listing_is_bounded_in_bytes(tmp_path):
     for i in range(1200):  # ~370 kB of names
         (tmp_path / (f"{i:04d}-" + "n" * 240)).mkdir()
-    listing = _supervisor.list_tree({"path": str(tmp_path), "depth": 2})["paths"]
-    assert 0 < sum(len(p) + 1 for p in listing) <= _supervisor.MAX_TREE_BYTES + 4096
+    listing = _supervisor_files.list_tree({"path": str(tmp_path), "depth": 2})["paths"]
+    assert 0 < sum(len(p) + 1 for p in listing) <= _supervisor_files.MAX_TREE_BYTES + 4096
     assert len(listing) < 1201
 
 

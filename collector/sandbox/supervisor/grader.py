@@ -1,8 +1,7 @@
 """Grading inside the sandbox, out of the agent's reach (``op: grade`` of the supervisor).
 
-Mounted read-only at ``/.sandpiper/grader.py`` next to the supervisor and imported by it on
-the first submit; like the supervisor it imports nothing from the project. One request does
-all of it, so submit costs one round trip:
+Part of the supervisor's folder, imported by its server on the first submit; like the rest
+of it, standard library only. One request does all of it, so submit costs one round trip:
 
 1. Unless the task lets its tests see the agent's processes, every process of the agent's uid
    is killed (stopped ones too) and checked gone, its SysV IPC objects are removed, and
@@ -33,6 +32,11 @@ import stat
 import tarfile
 import time
 
+from .privileges import AGENT_UID, GRADER_UID, agent_fs
+from .reset import kill_uid, remove_ipc, wipe
+from .run import exec_reply, spawn
+from .state import BASE_ENV, WORKSPACE
+
 GRADE = "/grade"
 TESTS = GRADE + "/tests"
 ANSWER = GRADE + "/answer"
@@ -46,7 +50,7 @@ MAX_COPY_BYTES = 512 * 1024 * 1024
 """Plain copy of a live agent's workspace (task option) stops at this many bytes."""
 
 
-def grade(sv, req: dict, payload: bytes) -> tuple[dict, bytes]:
+def grade(req: dict, payload: bytes) -> tuple[dict, bytes]:
     """Run the tests as described in the module docstring; reply like ``exec`` plus the
     raw result file (``result``), what was refused from the workspace, and how the agent's
     processes were stopped."""
@@ -56,17 +60,17 @@ def grade(sv, req: dict, payload: bytes) -> tuple[dict, bytes]:
     info: dict = {"refused": [], "agent_processes_left": 0}
     marks = [("start", time.monotonic())]
     if not keep:
-        info["agent_processes_left"] = sv.kill_uid(sv.AGENT_UID)
+        info["agent_processes_left"] = kill_uid(AGENT_UID)
         if info["agent_processes_left"]:
             return {"error": "AgentProcessesSurvive", "message": "agent processes survive"}, b""
-        sv.remove_ipc(sv.AGENT_UID)
+        remove_ipc(AGENT_UID)
         for path in ("/tmp", "/dev/shm", "/dev/mqueue"):
-            sv.wipe(path)
+            wipe(path)
     marks.append(("stop_agent", time.monotonic()))
-    sv.kill_uid(sv.GRADER_UID)
-    sv.remove_ipc(sv.GRADER_UID)
-    sv.wipe(GRADE)
-    grader = sv.GRADER_UID
+    kill_uid(GRADER_UID)
+    remove_ipc(GRADER_UID)
+    wipe(GRADE)
+    grader = GRADER_UID
     os.chown(GRADE, 0, 0)  # the tmpfs mount point itself
     os.chmod(GRADE, 0o755)
     _dir(TESTS, 0, 0o755)
@@ -76,14 +80,14 @@ def grade(sv, req: dict, payload: bytes) -> tuple[dict, bytes]:
         _untar_readonly(tests_tar, TESTS)
     tests_dest = req.get("tests_dest")
     if tests_dest:  # a task format's own tests path (open-instruct: /tests), root-owned
-        sv.wipe(tests_dest)
+        wipe(tests_dest)
         _mount_point(tests_dest, 0, 0o755)
         if tests_tar:
             _untar_readonly(tests_tar, tests_dest)
     result_path = req.get("result_path") or RESULT
     if result_path != RESULT:  # only the tests may write it: its folder starts empty
         top = "/" + result_path.strip("/").split("/")[0]
-        sv.wipe(top)
+        wipe(top)
         _mount_point(top, 0, 0o755)
         _makedirs_owned(os.path.dirname(result_path), top, grader)
     fd = os.open(ANSWER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -92,19 +96,19 @@ def grade(sv, req: dict, payload: bytes) -> tuple[dict, bytes]:
     if keep:
         workdir = GRADE + "/workspace"
         _dir(workdir, grader, 0o755)
-        info["refused"] = _copy_plain(sv.WORKSPACE, workdir, sv.agent_fs)
+        info["refused"] = _copy_plain(WORKSPACE, workdir, agent_fs)
         _chown_tree(workdir, grader)
     else:
-        workdir = sv.WORKSPACE
+        workdir = WORKSPACE
         info["refused"] = _make_plain(workdir, grader)
     info["refused"] = _shown(info["refused"])
     marks.append(("prepare", time.monotonic()))
     subject = req.get("subject_command")
     if subject:
-        info["subject"] = _run_subject(sv, subject, workdir, req)
+        info["subject"] = _run_subject(subject, workdir, req)
         info["subject"]["refused"] = _shown(info["subject"]["refused"])
     env = {
-        "PATH": sv.BASE_ENV["PATH"],
+        "PATH": BASE_ENV["PATH"],
         "LANG": "C.UTF-8",
         "TERM": "dumb",
         "HOME": GRADE + "/home",
@@ -122,28 +126,28 @@ def grade(sv, req: dict, payload: bytes) -> tuple[dict, bytes]:
     }
     if not req.get("python_safe_path", True):
         del env["PYTHONSAFEPATH"]  # the task's tests import the agent's modules by design
-    header, out, err, _ = sv.spawn(
+    header, out, err, _ = spawn(
         ["bash", "-c", req["command"]], env=env, cwd=workdir, timeout_s=float(req["timeout_s"]),
         cap=int(req["cap"]), uid=grader,
     )  # fmt: skip
     marks.append(("tests", time.monotonic()))
-    sv.kill_uid(grader)  # nothing of the tests may change the result after they exit
+    kill_uid(grader)  # nothing of the tests may change the result after they exit
     result, result_error = _read_result(result_path)
     marks.append(("result", time.monotonic()))
     info["phases_ms"] = {
         name: round((t - marks[i][1]) * 1000, 1) for i, (name, t) in enumerate(marks[1:])
     }
     header.update(info, result=result, result_error=result_error, workdir=workdir)
-    return sv._exec_reply(header, out, err)
+    return exec_reply(header, out, err)
 
 
-def _run_subject(sv, command: str, workdir: str, req: dict) -> dict:
+def _run_subject(command: str, workdir: str, req: dict) -> dict:
     """Run the agent's code as the agent (no secret, own home), then freeze its outputs."""
-    agent = sv.AGENT_UID
+    agent = AGENT_UID
     _dir(SUBJECT_OUT, agent, 0o755)
     _dir(GRADE + "/subject-home", agent, 0o700)
     env = {
-        "PATH": sv.BASE_ENV["PATH"],
+        "PATH": BASE_ENV["PATH"],
         "LANG": "C.UTF-8",
         "HOME": GRADE + "/subject-home",
         "TMPDIR": GRADE + "/subject-home",
@@ -153,12 +157,12 @@ def _run_subject(sv, command: str, workdir: str, req: dict) -> dict:
         "WORKSPACE": workdir,
         "SUBJECT_OUT": SUBJECT_OUT,
     }
-    header, out, err, _ = sv.spawn(
+    header, out, err, _ = spawn(
         ["bash", "-c", command], env=env, cwd=workdir, timeout_s=float(req["timeout_s"]),
         cap=int(req["cap"]), uid=agent,
     )  # fmt: skip
-    left = sv.kill_uid(agent)
-    sv.remove_ipc(agent)
+    left = kill_uid(agent)
+    remove_ipc(agent)
     if left:
         raise RuntimeError(f"{left} processes of the code under test survive")
     refused = _make_plain(SUBJECT_OUT, 0)  # first: no link of the agent's is written through

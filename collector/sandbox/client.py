@@ -1,12 +1,14 @@
-"""Podman implementation of the :class:`~sandpiper.collector.sandbox.base.Sandbox` Protocol.
+"""The sandbox client: :class:`PodmanSandbox`, the host's side of one sandbox container
+(the :class:`~sandpiper.collector.sandbox.base.Sandbox` Protocol), talking to the
+supervisor that runs inside it.
 
 Driven through the podman CLI from asyncio. Each container runs catatonit (bind-mounted from
 the host, ``-P``) as pid 1, so init survives ``kill -9 -1``; a persistent shell — the
-stdlib-only ``_supervisor.py``, bind-mounted read-only and started once with
+stdlib-only ``supervisor/`` folder, bind-mounted read-only and started once with
 ``podman exec -i`` and reached over a Unix socket in a host folder bind-mounted into the
 container (:func:`.host_state.socket_dir`; the exec's pipes only announce it) — runs every command
 framed (JSON header + raw payload; the reply header is the end marker with the exit status).
-See ``_supervisor.py`` for the state semantics.
+See ``supervisor/__init__.py`` for the state semantics.
 
 Watchdog ladder when a command overruns:
 1. inside: the shell SIGKILLs the command's process group at the deadline;
@@ -18,7 +20,8 @@ Watchdog ladder when a command overruns:
    remove its container, so the host did; otherwise ``sandbox_died`` (the agent's commands
    broke its sandbox, e.g. exhausted its pids: graded as the policy's outcome).
 
-Isolation flags are built by :func:`container_argv` (one place, checked by ``sandbox check``).
+The container's isolation flags are built by :func:`.isolation.container_argv`; the podman
+CLI calls by :mod:`.containers`.
 """
 
 from __future__ import annotations
@@ -28,9 +31,7 @@ import contextlib
 import io
 import json
 import logging
-import os
 import tarfile
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -39,196 +40,23 @@ from typing import Any
 
 from sandpiper.collector.sandbox import host_state
 from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult, GradeRequest, GradeResult
+from sandpiper.collector.sandbox.containers import (
+    START_TIMEOUT_S,
+    podman_cwd,
+    remove_containers_by_name,
+    run_podman,
+)
 from sandpiper.collector.sandbox.host_state import SOCKET_DIR, SOCKET_NAME
-from sandpiper.collector.sandbox.uids import UIDMAP_SIZE
+from sandpiper.collector.sandbox.isolation import SUPERVISOR_MAIN, container_argv
 from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError, SandboxLostError
 
 log = logging.getLogger(__name__)
 
-SUPERVISOR_HOST_PATH = Path(__file__).with_name("_supervisor.py")
-SUPERVISOR = "/.sandpiper/supervisor.py"
-GRADER_HOST_PATH = Path(__file__).with_name("_grader.py")
-GRADER = "/.sandpiper/grader.py"
-MOUNTED_FILES_ROOT = Path.home() / ".cache" / "sandpiper" / "sandbox-files"
-"""Where :func:`mounted_files` keeps the copies that are bind-mounted into sandboxes."""
-SUPERVISOR_CAPS = "CHOWN,DAC_OVERRIDE,FOWNER,KILL,SETUID,SETGID,SETPCAP"
-"""Held by the supervisor (container root, an unprivileged host uid) only: it runs the
-agent's commands as an unprivileged uid with none of them (see ``_supervisor.py``)."""
-CATATONIT = "/.sandpiper/catatonit"
-LABEL_PREFIX = "sandpiper."
 WATCHDOG_GRACE_S = 5.0
 """Host-side slack after a command's deadline before the shell is presumed hung."""
-START_TIMEOUT_S = 60.0
-IPC_SYSCTLS = {
-    "kernel.shm_rmid_forced": 1,  # a segment goes with the last process attached to it
-    "kernel.shmall": 4096,  # pages: 16 MiB of SysV shared memory in all
-    "kernel.shmmax": 16 * 1024 * 1024,
-    "kernel.msgmni": 64,  # message queues (each at most msgmnb = 16 KiB by default)
-}
-"""Per-container (IPC namespace) limits of SysV IPC, set at creation."""
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 """Largest reply payload accepted from a shell (a file read or a tar of a folder)."""
-
-
-def podman_cwd() -> str:
-    """The working directory of every podman client this module starts.
-
-    conmon 2.1 (Debian 12's, under podman 4.3) writes an empty ``oom`` marker into ITS
-    working directory when a process of a ``podman exec`` session is OOM-killed, and it
-    inherits the client's: an agent's memory hog left ``oom`` in whatever folder the
-    collector (or ``sandpiper sandbox check``, or pytest) was started from — the user's
-    checkout. This private folder takes it instead."""
-    path = Path(tempfile.gettempdir()) / "sandpiper-podman"
-    path.mkdir(mode=0o700, exist_ok=True)
-    return str(path)
-
-
-async def run_podman(*args: str, stdin: bytes | None = None, timeout_s: float = 120.0) -> bytes:
-    """Run one podman CLI call; raise :class:`SandboxError` with its stderr on failure."""
-    proc = await asyncio.create_subprocess_exec(
-        "podman",
-        *args,
-        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=podman_cwd(),
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
-    except TimeoutError:
-        await _reap(proc)
-        raise SandboxError(f"podman {args[0]} timed out after {timeout_s:.0f} s") from None
-    except asyncio.CancelledError:
-        await _reap(proc)  # never leave a podman client running behind a cancelled task
-        raise
-    if proc.returncode != 0:
-        raise SandboxError(f"podman {' '.join(args[:2])} failed: {err.decode()[-2000:].strip()}")
-    return out
-
-
-async def remove_containers_by_name(names: list[str], attempts: int = 4) -> None:
-    """``podman rm -f``, retried (on podman 4.3 a removal racing another podman call can
-    fail with "unlinkat …/userdata/shm: device or resource busy"), then what the host kept
-    for each container (:func:`.host_state.forget`). Every removal goes through here."""
-    for attempt in range(attempts):
-        try:
-            await run_podman("rm", "-f", "-t", "0", "--ignore", *names)
-            break
-        except SandboxError:
-            if attempt == attempts - 1:
-                raise
-            await asyncio.sleep(0.2 * 2**attempt)
-    await asyncio.gather(*(host_state.forget(name) for name in names))
-
-
-async def _reap(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.kill()
-    await proc.wait()
-
-
-async def sweep_stale_host_state() -> int:
-    """Remove the cgroup and socket folders (:mod:`.host_state`) of containers podman no
-    longer has (removed by ``sandbox gc``, their collector killed, or their conmon outlived
-    the removal); returns how many."""
-    if not host_state.names_on_host():
-        return 0
-    known = set((await run_podman("ps", "-a", "--format", "{{.Names}}")).decode().split())
-    return host_state.sweep(known, min_age_s=2 * START_TIMEOUT_S)
-
-
-def mounted_files() -> dict[str, Path]:
-    """Host paths of the supervisor and grader to bind-mount, by their path in the sandbox.
-
-    Copies of the checkout's files in ``<MOUNTED_FILES_ROOT>/<content hash>/``, not the
-    checkout's own: a bind mount's source path is visible inside the container
-    (``/proc/self/mountinfo``), and the checkout's path tells the agent where the project
-    lives on the host and who runs it. The folder is named by the files' content, so
-    collectors of different versions on one host never share a copy; it is made 0700 (only
-    this user can change what every sandbox runs as root), written by temp file and rename,
-    and checked on every call (a copy that differs is replaced)."""
-    import hashlib
-
-    sources = {SUPERVISOR: SUPERVISOR_HOST_PATH, GRADER: GRADER_HOST_PATH}
-    blobs = {inside: src.read_bytes() for inside, src in sources.items()}
-    digest = hashlib.sha256(b"".join(blobs[k] for k in sorted(blobs))).hexdigest()[:16]
-    folder = MOUNTED_FILES_ROOT / digest
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
-    paths = {}
-    for inside, data in blobs.items():
-        path = folder / Path(inside).name
-        try:
-            same = path.read_bytes() == data
-        except OSError:
-            same = False
-        if not same:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        paths[inside] = path
-    return paths
-
-
-def container_argv(
-    config: SandboxConfig, *, name: str, labels: Mapping[str, str], uid_base: int | None
-) -> list[str]:
-    """The ``podman run`` arguments that make a sandbox container (all isolation flags)."""
-    argv = ["run", "-d", "--name", name, "--hostname", "sandbox"]
-    for key, value in labels.items():
-        argv += ["--label", f"{key}={value}"]
-    if uid_base is not None:
-        span = f"0:{uid_base}:{UIDMAP_SIZE}"
-        argv += ["--uidmap", span, "--gidmap", span]
-    if (parent := host_state.cgroup_parent(name, uid_base)) is not None:
-        argv += ["--cgroup-parent", parent]
-    workspace_opts = f"rw,size={config.workspace_size_mb}m,mode=1777,exec,nosuid,nodev"
-    argv += [
-        # nothing the container's init writes is kept on the host (conmon's k8s-file log
-        # grows without bound); the supervisor's replies travel over its own exec pipe
-        "--log-driver=none",
-        # SysV IPC outlives its processes and is charged to the container's memory: an
-        # agent's segments could leave no room for the supervisor (see docs/security.md)
-        *[f"--sysctl={key}={value}" for key, value in IPC_SYSCTLS.items()],
-        "--network=none",
-        "--cap-drop=all",
-        f"--cap-add={SUPERVISOR_CAPS}",
-        "--security-opt=no-new-privileges",
-        "--read-only",
-        "--read-only-tmpfs=false",
-        "--tmpfs",
-        f"/workspace:{workspace_opts}",
-        "--tmpfs",
-        f"/tmp:rw,size={config.tmp_size_mb}m,mode=1777,exec,nosuid,nodev",
-        "--tmpfs",  # only root writes here: tests, answer, the grader's home and result
-        f"/grade:rw,size={config.workspace_size_mb}m,mode=0755,exec,nosuid,nodev",
-        # open-instruct's paths (its test.sh uses /tests and /logs/verifier): root-owned,
-        # filled by the grader at submit (collector/sandbox/_grader.py), wiped on reset
-        "--tmpfs",
-        f"/tests:rw,size={config.tmp_size_mb}m,mode=0755,exec,nosuid,nodev",
-        "--tmpfs",
-        "/logs:rw,size=16m,mode=0755,nosuid,nodev",
-        "--shm-size=16m",
-        f"--memory={config.memory_mb}m",
-        f"--memory-swap={config.memory_mb}m",
-        f"--cpus={config.cpus}",
-        f"--pids-limit={config.pids_limit}",
-        "--volume",
-        f"{os.path.abspath(config.catatonit_path)}:{CATATONIT}:ro",  # podman runs elsewhere
-        *[
-            arg
-            for inside, host in mounted_files().items()
-            for arg in ("--volume", f"{host}:{inside}:ro")
-        ],
-        "--volume",  # the shell's socket (see _supervisor.listen)
-        f"{host_state.socket_dir(name)}:{SOCKET_DIR}:rw",
-        "--entrypoint",
-        json.dumps([CATATONIT, "-P"]),
-        config.image,
-    ]
-    return argv
 
 
 class PodmanSandbox:
@@ -301,7 +129,7 @@ class PodmanSandbox:
             log.warning("could not remove %s: %s", self.name, e)
 
     async def _start_shell(self, *, takeover: bool) -> None:
-        argv = ["podman", "exec", "-i", self.name, "python3", "-I", SUPERVISOR]
+        argv = ["podman", "exec", "-i", self.name, "python3", "-I", SUPERVISOR_MAIN]
         argv += ["--listen", f"{SOCKET_DIR}/{SOCKET_NAME}"]
         if takeover:
             argv.append("--takeover")
@@ -451,7 +279,7 @@ class PodmanSandbox:
         env: Mapping[str, str] | None = None,
         clean_env: bool = False,
     ) -> ExecResult:
-        """Run ``command`` in the persistent shell (see ``_supervisor.py`` for state rules).
+        """Run ``command`` in the persistent shell (see ``supervisor/__init__.py`` for state rules).
 
         ``env`` adds variables for this call only. ``clean_env`` runs with the image's base
         environment instead of the shell's, and leaves the shell's state untouched.
@@ -546,7 +374,7 @@ class PodmanSandbox:
             tar.extractall(host_dir, filter="data")
 
     async def grade(self, request: GradeRequest) -> GradeResult:
-        """Run the task's tests out of the agent's reach (see ``_grader.py``)."""
+        """Run the task's tests out of the agent's reach (see ``supervisor/grader.py``)."""
         buf = io.BytesIO()
         if request.tests_dir is not None:
             with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -656,8 +484,3 @@ def _exec_result(header: dict[str, Any], data: bytes) -> ExecResult:
         stdout_bytes_total=int(header["stdout_total"]),
         stderr_bytes_total=int(header["stderr_total"]),
     )
-
-
-def collector_id() -> str:
-    """``hostname:pid`` of this process (the ``sandpiper.collector`` label)."""
-    return f"{os.uname().nodename}:{os.getpid()}"
