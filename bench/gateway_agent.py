@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 
+from sandpiper.collector.episode.tools import offered_schemas
 from sandpiper.collector.inference.vllm_client import GENERATE_PATH
-from sandpiper.collector.tools import offered_schemas
 
 SETTLE_S = 0.02
 """``--agent-direct``: the pause between reading vLLM's metrics and a timed call."""

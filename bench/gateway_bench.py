@@ -94,11 +94,11 @@ async def measure(
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
+    from sandpiper.collector.episode.render import ChatRenderer
     from sandpiper.collector.gateway import openai_api as api
     from sandpiper.collector.gateway.server import Gateway, GatewaySettings
     from sandpiper.collector.inference.base import SamplingParams
     from sandpiper.collector.inference.vllm_client import VLLMPolicyClient, generate_body
-    from sandpiper.collector.render import ChatRenderer
     from sandpiper.config import SamplingLimits
 
     settings = GatewaySettings(model_names=("policy",), sampling=SamplingLimits(
@@ -235,8 +235,8 @@ async def call_path_cpu(renderer, args, episodes: int) -> dict[str, float]:
     """CPU time of this process per chat call through the gateway's ASGI app with the instant
     model (routing, parsing, rendering, splicing, recording, the JSON answer; not uvicorn's
     HTTP parsing), and per episode close (the deferred re-tokenization checks)."""
+    from sandpiper.collector.episode.tools import offered_schemas
     from sandpiper.collector.gateway.server import Gateway, GatewaySettings
-    from sandpiper.collector.tools import offered_schemas
     from sandpiper.config import SamplingLimits
 
     tools = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")
@@ -380,9 +380,9 @@ def over_hop(figures: dict[str, float], hop_ms: np.ndarray, prefix: str = "") ->
 async def main(args: argparse.Namespace) -> dict[str, float]:
     from transformers import AutoTokenizer
 
+    from sandpiper.collector.episode.render import ChatRenderer
+    from sandpiper.collector.episode.tools import offered_schemas
     from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
-    from sandpiper.collector.render import ChatRenderer
-    from sandpiper.collector.tools import offered_schemas
 
     server = scratch = None
     url, model_dir = args.url, args.model_dir
@@ -390,7 +390,7 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
     if args.stub_only:
         model_dir = model_dir or str(REPO / "runs/tiny-model")
     elif url is None:
-        from sandpiper.collector.inference.server import VLLMServer
+        from sandpiper.collector.inference.vllm_server import VLLMServer
         from sandpiper.tiny_model import init_tiny_model
 
         scratch = tempfile.mkdtemp(prefix="gateway-bench-")

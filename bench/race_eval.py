@@ -80,7 +80,7 @@ class Harness:
     """One vLLM server (on the start checkpoint); :meth:`evaluate` swaps weights in place."""
 
     def __init__(self, base_cfg: Any, *, start: Path, heldout: Path, out: Path, samples: int):
-        from sandpiper.collector.inference.server import VLLMServer
+        from sandpiper.collector.inference.vllm_server import VLLMServer
 
         self.base, self.heldout, self.out, self.samples = base_cfg, heldout, out, samples
         self.model = str(start)

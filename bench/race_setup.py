@@ -209,7 +209,7 @@ def prepare_suite(settings: RaceSettings, root: Path) -> tuple[Path, Path]:
 
 def task_ids(source: Path) -> list[str]:
     """The ids of the tasks at ``source``, as the collector loads them."""
-    from sandpiper.collector.tasks import load_tasks
+    from sandpiper.collector.tasks.loading import load_tasks
 
     return sorted(t.task_id for t in load_tasks(source))
 

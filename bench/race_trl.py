@@ -42,7 +42,7 @@ class SandboxRuntime:
 
     def __init__(self, config: Any, pool_size: int, pool: Any = None) -> None:
         """``pool``: the collector's ``ImagePools`` by default (a fake in unit tests)."""
-        from sandpiper.collector.agent import default_toolbox_factory
+        from sandpiper.collector.episode.loop import default_toolbox_factory
         from sandpiper.collector.sandbox.images import ImagePools
 
         self.config = config
@@ -134,7 +134,7 @@ class SandboxEnv:
         return asyncio.get_running_loop().create_task(self._prepare())
 
     async def _prepare(self) -> None:
-        from sandpiper.collector.agent import prepare_sandbox
+        from sandpiper.collector.episode.loop import prepare_sandbox
 
         assert RUNTIME is not None
         task = self._task
@@ -145,8 +145,8 @@ class SandboxEnv:
         self._toolbox = RUNTIME.make_toolbox(self._sandbox, task)
 
     async def _acall(self, name: str, arguments: dict[str, Any]) -> Any:
-        from sandpiper.collector.parsers import checked_call
-        from sandpiper.collector.tools.base import ToolResult
+        from sandpiper.collector.episode.parsers import checked_call
+        from sandpiper.collector.episode.tools.base import ToolResult
 
         await self._ready  # raises what preparing raised: the call fails, as TRL reports it
         assert RUNTIME is not None
@@ -163,8 +163,8 @@ class SandboxEnv:
         self._close()
 
     async def _score(self, answer: str | None, test_reward: float | None, submitted: bool) -> Any:
-        from sandpiper.collector.agent import finish_episode
-        from sandpiper.collector.scoring import score_answer
+        from sandpiper.collector.episode.loop import finish_episode
+        from sandpiper.collector.rewards.worker import score_answer
         from sandpiper.store.records import StopReason
 
         try:
@@ -200,7 +200,7 @@ def dataset_rows(config: Any, tasks: list[Any], seed: int) -> list[dict[str, Any
     """One row per training task: the prompt Sandpiper's collector builds for it."""
     import random
 
-    from sandpiper.collector.parsers import system_prompt_for
+    from sandpiper.collector.episode.parsers import system_prompt_for
 
     cc = config.collector
     system = system_prompt_for(cc.tool_parser, cc.system_prompt)
@@ -296,7 +296,7 @@ def main(spec_path: str) -> None:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from sandpiper.collector.tasks import load_tasks
+    from sandpiper.collector.tasks.loading import load_tasks
     from sandpiper.config import RunConfig
 
     global RUNTIME

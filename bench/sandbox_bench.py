@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 
 from sandpiper.collector.sandbox.client import PodmanSandbox
 from sandpiper.collector.sandbox.containers import run_podman
-from sandpiper.collector.sandbox.image import ensure_image
+from sandpiper.collector.sandbox.image_build import ensure_image
 from sandpiper.collector.sandbox.pool import SandboxPool
 from sandpiper.config import SandboxConfig
 
@@ -161,7 +161,7 @@ async def bench(n_commands: int, n_podman: int) -> dict[str, float]:
 
 async def _legacy_submit(box: PodmanSandbox, tests, answer: bytes) -> float:
     """The pre-issue-14 submit path; returns its overhead in ms (wall minus the test)."""
-    import sandpiper.collector.tools.reward as reward_module
+    import sandpiper.collector.rewards.test_results as reward_module
 
     started = time.perf_counter()
     await box.kill_all()
@@ -179,8 +179,8 @@ async def _legacy_submit(box: PodmanSandbox, tests, answer: bytes) -> float:
 
 
 async def _grade(box: PodmanSandbox, tests, answer: bytes) -> tuple[float, dict]:
+    from sandpiper.collector.rewards.test_results import reward_from_result
     from sandpiper.collector.sandbox.base import GradeRequest
-    from sandpiper.collector.tools.reward import reward_from_result
 
     started = time.perf_counter()
     request = GradeRequest(answer=answer, tests_dir=tests, command='bash "$TESTS_DIR/run.sh"',

@@ -5,13 +5,16 @@ servers."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sandpiper.config import CollectorSettings
 from sandpiper.version import code_version
 
+if TYPE_CHECKING:
+    from sandpiper.store import Store
 
-def open_store(config: CollectorSettings) -> Any:
+
+def open_store(config: CollectorSettings) -> Store:
     """The run's store, initialised, with this run registered (its config and code version)."""
     from sandpiper.store import Store
     from sandpiper.store.records import RunRecord
@@ -28,7 +31,7 @@ async def start_run_servers(
 ) -> list[Any]:
     """The run's local servers on version 0 (none when ``inference.server_urls`` is given),
     logging to ``inference.log_dir`` or else the run's folder."""
-    from sandpiper.collector.inference.server import start_servers
+    from sandpiper.collector.inference.vllm_server import start_servers
 
     if config.inference.server_urls:
         return []

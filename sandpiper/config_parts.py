@@ -186,7 +186,7 @@ class CollectorConfig(_Part):
     """Action format: ``hermes`` (JSON in <tool_call>), ``qwen3_coder`` (XML), or
     ``bash_block``: one fenced bash block per reply, results as the next user turn, finish
     with ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` (mini-swe-agent's protocol; for
-    models not trained on tool-call markup). See :mod:`sandpiper.collector.parsers`."""
+    models not trained on tool-call markup). See :mod:`sandpiper.collector.episode.parsers`."""
     validation_every_versions: int = Field(default=0, ge=0)
     """Run the validation split every N new policy versions (0 = never)."""
     status_interval_s: float = Field(default=5.0, gt=0)
@@ -433,8 +433,8 @@ class SamplingLimits:
 
     Built once from the config (:meth:`from_config`, which
     :attr:`sandpiper.config.CollectorSettings.sampling` calls) and handed unchanged to the
-    episode loop (``collector.agent.run_episode``), the policy sessions
-    (``collector.policy``, ``collector.chat_policy``), the gateway
+    episode loop (``collector.episode.loop.run_episode``), the policy sessions
+    (``collector.episode.policy``, ``collector.episode.chat_policy``), the gateway
     (``collector.gateway.server.GatewaySettings``) and the stored record
     (``store.records.GroupSampling.from_limits``, which keeps its own JSON form). No part
     copies these fields into a class of its own.
@@ -460,7 +460,7 @@ class SamplingLimits:
     max_argument_bytes: int = _COLLECTOR.max_argument_bytes
     """``collector.max_argument_bytes``: a tool call whose arguments are larger (UTF-8 bytes
     of their JSON) is refused, checked once, where the call is parsed
-    (``collector.parsers.check_call_size``)."""
+    (``collector.episode.parsers.check_call_size``)."""
     system_prompt: str | None = _COLLECTOR.system_prompt
     """``collector.system_prompt``; None = the episode loop's default prompt."""
     gateway_sampling: Literal["run", "client"] = _COLLECTOR.gateway_sampling

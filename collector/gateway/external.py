@@ -43,12 +43,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sandpiper.collector.agent import ToolRunner, finish_episode, prepare_sandbox
+from sandpiper.collector.episode.loop import ToolRunner, finish_episode, prepare_sandbox
+from sandpiper.collector.episode.parsers import checked_call
 from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.server import Gateway
-from sandpiper.collector.parsers import checked_call
 from sandpiper.collector.sandbox.base import ToolSandbox
-from sandpiper.collector.tasks import Task
+from sandpiper.collector.tasks.model import Task
 from sandpiper.config import SamplingLimits
 from sandpiper.errors import SandboxError, SandpiperError, TaskError
 from sandpiper.store.records import INFRA_STOPS, EpisodeRecord, StopReason, ToolErrorKind, utcnow

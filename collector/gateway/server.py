@@ -3,10 +3,10 @@
 ``Gateway`` is the Python API the collector uses (and ``sandpiper gateway`` serves
 standalone). An episode is opened (:meth:`Gateway.open_episode`), its agent is given
 ``{gateway}/episodes/<episode_id>/v1`` as ``OPENAI_BASE_URL``, and every call it makes is
-rendered with the run's chat template (:class:`sandpiper.collector.render.ChatRenderer`), sent as
+rendered with the run's chat template (:class:`sandpiper.collector.episode.render.ChatRenderer`), sent as
 token ids through the run's :class:`~sandpiper.collector.inference.base.PolicyClient` (the same client,
 routing and retries as the native loop), parsed with the run's tool-call parser
-(:func:`sandpiper.collector.parsers.parse_tool_calls`) and recorded with its prompt ids, sampled ids,
+(:func:`sandpiper.collector.episode.parsers.parse_tool_calls`) and recorded with its prompt ids, sampled ids,
 sampling logprobs and per-token policy versions (:class:`~sandpiper.collector.gateway.session.
 EpisodeSession`). Closing the episode hands the calls to :mod:`sandpiper.collector.gateway.assembly`.
 
@@ -47,7 +47,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from sandpiper.collector.client_tools import client_calls
+from sandpiper.collector.episode.client_tools import client_calls
+from sandpiper.collector.episode.parsers import ParsedMessage
+from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.gateway import messages_api, responses_api
 from sandpiper.collector.gateway import openai_api as api
 from sandpiper.collector.gateway.assembly import call_id
@@ -61,8 +63,6 @@ from sandpiper.collector.gateway.request_params import (
 from sandpiper.collector.gateway.session import BudgetSpent, EpisodeSession
 from sandpiper.collector.inference.base import Generation, PolicyClient
 from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
-from sandpiper.collector.parsers import ParsedMessage
-from sandpiper.collector.render import ChatRenderer
 from sandpiper.config import SamplingLimits
 from sandpiper.errors import InferenceError
 from sandpiper.store.records import utcnow

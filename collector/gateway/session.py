@@ -2,7 +2,7 @@
 
 An unmodified agent sends its whole conversation as OpenAI messages on every call. To train
 on exactly what the model saw and sampled, the prompt of each call is built the way the
-native loop builds it (:mod:`sandpiper.collector.render`) whenever the agent's history allows it:
+native loop builds it (:mod:`sandpiper.collector.episode.render`) whenever the agent's history allows it:
 
 - **Extends.** The request's messages start with an earlier call's messages plus the
   assistant message the gateway returned for it (compared by role, content and tool calls),
@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from sandpiper.collector.episode.parsers import ParsedToolCall
+from sandpiper.collector.episode.render import ChatRenderer, canonical_json, tools_key
 from sandpiper.collector.gateway.openai_api import fast_loads
 from sandpiper.collector.inference.base import Generation
-from sandpiper.collector.parsers import ParsedToolCall
-from sandpiper.collector.render import ChatRenderer, canonical_json, tools_key
 from sandpiper.store.records import StopReason
 
 

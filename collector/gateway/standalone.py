@@ -34,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -48,15 +48,32 @@ from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,
     GroupSampling,
+    PolicyRecord,
     Split,
     StopReason,
     utcnow,
 )
 
+if TYPE_CHECKING:
+    from sandpiper.store.writer import GroupWriter
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TIME_LIMIT_S = 600.0
 """An episode's time limit when its opener gives none (an external agent's default too)."""
+
+
+class GatewayStore(Protocol):
+    """The part of ``store.Store`` the ``sandpiper gateway`` process calls: a writer on a spool
+    of its own, and the latest policy when it serves servers it did not start."""
+
+    def default_spool_dir(self) -> str: ...
+
+    def writer(self, *, spool_dir: str | None = ...) -> GroupWriter: ...
+
+    def latest_policy(self, run_id: str) -> PolicyRecord | None: ...
+
+
 DEFAULT_TASK_ID = "gateway"
 
 
@@ -205,15 +222,15 @@ async def serve(
 
     from transformers import AutoTokenizer
 
+    from sandpiper.collector.episode.render import renderer_for
     from sandpiper.collector.gateway.server import GatewaySettings
     from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
-    from sandpiper.collector.render import renderer_for
     from sandpiper.collector.run_setup import open_store, start_run_servers
 
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     renderer = renderer_for(tokenizer, config)  # the collector's: template, action format
     limits = config.sampling
-    store = await asyncio.to_thread(open_store, config)
+    store: GatewayStore = await asyncio.to_thread(open_store, config)
     # a spool of its own: a collector of the same run keeps its own
     spool = Path(config.store.spool_dir or store.default_spool_dir()) / "gateway"
     writer = await asyncio.to_thread(store.writer, spool_dir=str(spool))

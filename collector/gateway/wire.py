@@ -21,9 +21,9 @@ import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.gateway.openai_api import APIError
 from sandpiper.collector.gateway.session import EpisodeSession
-from sandpiper.collector.render import ChatRenderer
 
 
 class ChatPath(Protocol):

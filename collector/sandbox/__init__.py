@@ -4,7 +4,7 @@ persistent shell in it (``client``); the ``podman run`` flags and mounts that is
 program that runs inside every container, standard library only (``supervisor/``: server,
 commands, launcher, files, reset, grader); what the host keeps per container
 (``host_state``) and the uid ranges (``uids``); a warm pool (``pool``) and one pool per task
-image (``images``), the base image (``image``), host checks (``check``) and
+image (``images``), the base image's build (``image_build``), host checks (``check``) and
 the janitor (``janitor``). The in-process fake for unit tests is
 :mod:`sandpiper.testing.sandbox`.
 

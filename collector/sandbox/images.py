@@ -3,7 +3,7 @@
 The collector's default image (``sandbox.image``) has a pool of ``sandbox.pool_size``
 containers started up front. A task whose folder names an image (``task.toml``:
 ``image = "localhost/my-task:1"``, built for example with
-:func:`sandpiper.collector.sandbox.image.extend_image`) gets a pool for that image on first use, with
+:func:`sandpiper.collector.sandbox.image_build.extend_image`) gets a pool for that image on first use, with
 ``task_pool_size`` containers, started — and limit-checked — once. Every pool keeps all the
 isolation limits of ``sandbox``; only the image differs.
 """

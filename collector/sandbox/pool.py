@@ -22,7 +22,7 @@ Usage::
     await pool.close()
 
 One pool serves one image (``config.image``); a task image built with
-:func:`sandpiper.collector.sandbox.image.extend_image` gets its own pool.
+:func:`sandpiper.collector.sandbox.image_build.extend_image` gets its own pool.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
             if eval_mode:
                 if not endpoint:
                     raise typer.BadParameter("--eval needs --endpoint URL")
-                from sandpiper.collector.eval import evaluate
+                from sandpiper.collector.daemon.eval import evaluate
 
                 n = asyncio.run(
                     evaluate(
@@ -57,8 +57,8 @@ def register(app: typer.Typer) -> None:
                 )
                 typer.echo(f"evaluated {n} tasks; stored as run {cfg.name!r} (split=validation)")
                 return
-            from sandpiper.collector.launch import run_collector_process
-            from sandpiper.collector.shutdown import exit_now_if_stuck
+            from sandpiper.collector.daemon.launch import run_collector_process
+            from sandpiper.collector.daemon.shutdown import exit_now_if_stuck
 
             # SIGTERM/SIGINT stop it within collector.drain_timeout_s, whatever the store does
             metrics = run_collector_process(cfg.for_collector())

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, help="Rebuild even when the recipe hash matches."),
     ) -> None:
         """Build the base image (debootstrap + podman import), unless its recipe is cached."""
-        from sandpiper.collector.sandbox.image import ensure_image
+        from sandpiper.collector.sandbox.image_build import ensure_image
 
         cfg = resolve_config(config, ctx)
         with cli_errors():

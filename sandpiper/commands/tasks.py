@@ -52,8 +52,7 @@ def register(app: typer.Typer) -> None:
         rllm JSON array, TRL + Daytona code tasks (see docs/tasks.md). OUT must be new or
         empty; nothing is written unless every record converts, except rows of a domain
         that cannot be scored, which are skipped and listed (``--strict`` refuses them)."""
-        from sandpiper.collector.task_import import SKIPPED_FILE, skipped_rows
-        from sandpiper.collector.tasks import import_tasks
+        from sandpiper.collector.tasks.importer import SKIPPED_FILE, import_tasks, skipped_rows
 
         with cli_errors():
             tasks = import_tasks(
@@ -80,7 +79,7 @@ def register(app: typer.Typer) -> None:
         split_seed: Annotated[int, typer.Option(help="Seed of the hash split.")] = 0,
     ) -> None:
         """Print one line per task: id, split, format, reward kind."""
-        from sandpiper.collector.tasks import load_tasks
+        from sandpiper.collector.tasks.loading import load_tasks
 
         with cli_errors():
             tasks = load_tasks(

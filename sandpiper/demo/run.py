@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from sandpiper.collector.episode.parsers import SUBMIT_SENTINEL
 from sandpiper.collector.inference.base import Generation, SamplingParams
-from sandpiper.collector.parsers import SUBMIT_SENTINEL
 from sandpiper.config import RunConfig, write_resolved
 from sandpiper.demo.tasks import INSTRUCTION, demonstration, write_demo_tasks
 from sandpiper.errors import SandpiperError
@@ -160,7 +160,7 @@ def collect_demonstrations(config: RunConfig, *, compute_fraction: float) -> Non
     """Run the real collector with the scripted demonstrator until every task has one."""
     from transformers import AutoTokenizer
 
-    from sandpiper.collector.launch import collect
+    from sandpiper.collector.daemon.launch import collect
 
     tokenizer = AutoTokenizer.from_pretrained(config.learner.model)
     teacher = Demonstrator(

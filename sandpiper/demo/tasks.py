@@ -1,6 +1,6 @@
 """The demo task suite: arithmetic on large numbers that exist only inside the sandbox.
 
-Each task is a task folder (see :mod:`sandpiper.collector.tasks`)::
+Each task is a task folder (see :mod:`sandpiper.collector.tasks.loading`)::
 
     <id>/instruction.md     "Write the sum of the numbers in numbers.txt to answer.txt, then submit."
     <id>/files/numbers.txt  seven random 6-digit integers (never shown to the model)

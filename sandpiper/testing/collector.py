@@ -5,7 +5,7 @@
   logprobs and the current version; it records every prompt it was sent.
 - :func:`scripted_sandbox`: the one fake sandbox (:class:`sandpiper.testing.sandbox.FakeSandbox`) with canned
   command results (``ran: <command>``); it can be told to die.
-- :class:`FakeToolbox` mimics ``collector.tools.Toolbox``'s observable behaviour for the loop:
+- :class:`FakeToolbox` mimics ``collector.episode.tools.Toolbox``'s observable behaviour for the loop:
   ``execute_bash``, ``submit`` (with a fixed test reward) and unknown-tool errors.
 """
 
@@ -14,15 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sandpiper.collector.episode.tools.base import ToolResult
 from sandpiper.collector.inference.base import Generation, SamplingParams
-from sandpiper.collector.tools.base import ToolResult
 from sandpiper.errors import InferenceError
 from sandpiper.store.records import ToolErrorKind
 from sandpiper.testing.sandbox import FakeSandbox
+
+if TYPE_CHECKING:
+    from sandpiper.collector.daemon.store_role import CollectorStore
 
 FAKE_TOOL_SCHEMAS = [
     {
@@ -306,3 +309,7 @@ class ReloadablePolicy(ScriptedPolicy):
     async def reload(self, checkpoint_dir: str, version: int) -> None:
         self.reloads.append((str(checkpoint_dir), version))
         self.version = version
+
+
+if TYPE_CHECKING:  # mypy holds the fake to the Protocol the daemon's ``store`` is typed with
+    _FAKE_STORE: CollectorStore = FakeStore()

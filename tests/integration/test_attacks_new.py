@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.tasks import Task, load_task_folder
+from sandpiper.collector.tasks.loading import load_task_folder
+from sandpiper.collector.tasks.model import Task
 from sandpiper.store.records import StopReason
 from tests.integration.test_reward_forging import (
     SUBMIT,

@@ -70,7 +70,7 @@ def _rows(store, sql: str) -> list[tuple]:
 
 @pytest.mark.smoke  # `make test-fast`: the one real episode besides the unit tests
 def test_short_run_stores_token_exact_groups(vllm_server, sandbox_image, tmp_path):
-    from sandpiper.collector.launch import collect
+    from sandpiper.collector.daemon.launch import collect
     from sandpiper.store import Store
     from sandpiper.store.packed import expand_versions, unpack_one
 
@@ -176,8 +176,8 @@ def test_sigkill_and_restart_no_duplicates_no_leftovers(vllm_server, sandbox_ima
 
 
 def test_a_policy_registered_in_the_store_is_hot_loaded(vllm_server, sandbox_image, tmp_path):
+    from sandpiper.collector.daemon.launch import collect
     from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
-    from sandpiper.collector.launch import collect
     from sandpiper.store import Store
     from sandpiper.store.records import PolicyRecord
     from tests.integration.test_hot_reload import perturbed_checkpoint
@@ -230,7 +230,7 @@ def test_a_policy_registered_in_the_store_is_hot_loaded(vllm_server, sandbox_ima
 
 
 def test_eval_mode_against_the_chat_endpoint(vllm_server, sandbox_image, tmp_path):
-    from sandpiper.collector.eval import evaluate
+    from sandpiper.collector.daemon.eval import evaluate
     from sandpiper.store import Store
 
     toml = _config_toml(

@@ -86,7 +86,7 @@ def _port_open(port: int) -> bool:
 
 
 def test_kill_9_leaves_no_server_or_other_child(sandbox_image, tmp_path):
-    from sandpiper.collector.lifeline import GRACE_S
+    from sandpiper.collector.inference.lifeline import GRACE_S
 
     model = tmp_path / "tiny-model"
     subprocess.run(

@@ -10,7 +10,12 @@ import time
 
 import pytest
 
-from sandpiper.collector.tools.editor import TRUNCATED_MESSAGE, VIEW_READ_BYTES, Editor, EditorError
+from sandpiper.collector.episode.tools.editor import (
+    TRUNCATED_MESSAGE,
+    VIEW_READ_BYTES,
+    Editor,
+    EditorError,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

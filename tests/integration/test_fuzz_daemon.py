@@ -1,5 +1,5 @@
 """No model output crashes the collector (issue 14, deliverable 4): the REAL collector daemon
-(``collector.launch.collect``: the single rollout loop, parser, toolbox, podman sandboxes, a
+(``collector.daemon.launch.collect``: the single rollout loop, parser, toolbox, podman sandboxes, a
 DuckDB store) runs with a scripted policy whose every turn is hostile
 (:class:`tests.fixtures.fuzz.HostileTurns`: malformed JSON, surrogates and bad UTF-8, huge and
 deeply nested arguments, non-finite numbers, FIFOs, devices, /proc, huge folders and files,
@@ -119,7 +119,7 @@ def test_hostile_turns_never_crash_the_daemon_and_every_episode_is_stored(
 ):
     from transformers import AutoTokenizer
 
-    from sandpiper.collector.launch import collect
+    from sandpiper.collector.daemon.launch import collect
 
     config = _config(tmp_path, store_url)
     tokenizer = AutoTokenizer.from_pretrained(config.learner.model)

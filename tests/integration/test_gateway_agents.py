@@ -59,7 +59,7 @@ def _write_config(tmp_path: Path, vllm_server, tasks: Path) -> Path:
 
 def test_mini_swe_agent_collects_and_the_learner_trains(vllm_server, sandbox_image, tmp_path):
     pytest.importorskip("minisweagent")
-    from sandpiper.collector.launch import collect
+    from sandpiper.collector.daemon.launch import collect
     from sandpiper.store import Store
     from sandpiper.store.claims import load_episodes
     from sandpiper.store.records import GroupStatus

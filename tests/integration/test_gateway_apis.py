@@ -79,10 +79,10 @@ async def _messages_episode(base_url: str) -> None:
 def test_responses_and_messages_episodes_are_stored_with_exact_ids(vllm_server, tmp_path):
     from transformers import AutoTokenizer
 
+    from sandpiper.collector.episode.render import renderer_for
     from sandpiper.collector.gateway.server import GatewaySettings
     from sandpiper.collector.gateway.standalone import StoringGateway
     from sandpiper.collector.inference.vllm_client import VLLMPolicyClient
-    from sandpiper.collector.render import renderer_for
     from sandpiper.collector.run_setup import open_store
     from sandpiper.store import Store
     from sandpiper.store.claims import load_episodes

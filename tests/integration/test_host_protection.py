@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.tools.editor import Editor, EditorError
+from sandpiper.collector.episode.tools.editor import Editor, EditorError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -78,7 +78,7 @@ def _write_config(tmp_path: Path, vllm_server, tasks: Path, name: str) -> Path:
 def _collect_and_learn(tmp_path: Path, vllm_server, name: str, command: str, env: dict) -> None:
     """One group of two episodes of ``command`` through ``sandpiper collect``, checked, then
     one learner step on it."""
-    from sandpiper.collector.launch import collect
+    from sandpiper.collector.daemon.launch import collect
     from sandpiper.store import Store
     from sandpiper.store.claims import load_episodes
     from sandpiper.store.records import GroupStatus

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.agent import default_toolbox_factory, run_episode
-from sandpiper.collector.policy import TokenPolicy
-from sandpiper.collector.render import ChatRenderer
-from sandpiper.collector.tasks import Task, load_task_folder
-from sandpiper.collector.tools import TOOL_SCHEMAS
+from sandpiper.collector.episode.loop import default_toolbox_factory, run_episode
+from sandpiper.collector.episode.policy import TokenPolicy
+from sandpiper.collector.episode.render import ChatRenderer
+from sandpiper.collector.episode.tools import TOOL_SCHEMAS
+from sandpiper.collector.tasks.loading import load_task_folder
+from sandpiper.collector.tasks.model import Task
 from sandpiper.config import SamplingLimits
 from sandpiper.store.records import StopReason
 from sandpiper.testing import ScriptedPolicy

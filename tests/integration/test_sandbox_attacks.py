@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from sandpiper.collector.episode.tools import Toolbox
 from sandpiper.collector.sandbox.base import ExecOutcome
-from sandpiper.collector.tools import Toolbox
 from sandpiper.store.records import ToolErrorKind
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

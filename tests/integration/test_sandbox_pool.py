@@ -205,7 +205,7 @@ def test_check_command_proves_every_limit(sandbox_image, tmp_path):
 
 
 def test_task_image_extends_the_base_and_is_cached(sandbox_config, sandbox_image, tmp_path):
-    from sandpiper.collector.sandbox.image import extend_image, image_recipe_hash
+    from sandpiper.collector.sandbox.image_build import extend_image, image_recipe_hash
 
     setup = tmp_path / "setup.sh"
     setup.write_text("echo extended > /etc/sandpiper-extended\n")

@@ -13,12 +13,13 @@ import json
 
 import pytest
 
-from sandpiper.collector.agent import default_toolbox_factory, run_episode
-from sandpiper.collector.policy import TokenPolicy
-from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.episode.loop import default_toolbox_factory, run_episode
+from sandpiper.collector.episode.policy import TokenPolicy
+from sandpiper.collector.episode.render import ChatRenderer
+from sandpiper.collector.episode.tools import TOOL_SCHEMAS
 from sandpiper.collector.sandbox.images import podman_image_exists
-from sandpiper.collector.tasks import import_tasks, load_task_folder
-from sandpiper.collector.tools import TOOL_SCHEMAS
+from sandpiper.collector.tasks.importer import import_tasks
+from sandpiper.collector.tasks.loading import load_task_folder
 from sandpiper.config import SamplingLimits
 from sandpiper.store.records import StopReason
 from sandpiper.testing import ScriptedPolicy

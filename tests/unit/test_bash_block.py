@@ -7,17 +7,17 @@ import asyncio
 
 import pytest
 
-from sandpiper.collector.agent import run_episode
-from sandpiper.collector.parsers import (
+from sandpiper.collector.episode.loop import run_episode
+from sandpiper.collector.episode.parsers import (
     SUBMIT_SENTINEL,
     parse_tool_calls,
     submission_answer,
     system_prompt_for,
 )
-from sandpiper.collector.policy import TokenPolicy
-from sandpiper.collector.render import ChatRenderer
+from sandpiper.collector.episode.policy import TokenPolicy
+from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
-from sandpiper.collector.tasks import Task
+from sandpiper.collector.tasks.model import Task
 from sandpiper.config import SamplingLimits
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from sandpiper.testing import (

@@ -8,10 +8,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from sandpiper.collector.agent import SYSTEM_PROMPT, run_episode
-from sandpiper.collector.policy import TokenPolicy
-from sandpiper.collector.render import ChatRenderer
-from sandpiper.collector.tasks import Task
+from sandpiper.collector.episode.loop import SYSTEM_PROMPT, run_episode
+from sandpiper.collector.episode.policy import TokenPolicy
+from sandpiper.collector.episode.render import ChatRenderer
+from sandpiper.collector.tasks.model import Task
 from sandpiper.config import SamplingLimits
 from sandpiper.errors import InferenceError, SandboxError, SandboxLostError
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
@@ -261,7 +261,7 @@ def test_seed_files_and_setup_script_run_first_and_a_broken_setup_is_a_task_erro
 
 def test_real_toolbox_turns_bad_calls_into_observations(tiny_tokenizer):
     """Unknown tools, wrong argument types and huge arguments through the real Toolbox."""
-    from sandpiper.collector.tools import TOOL_SCHEMAS, Toolbox
+    from sandpiper.collector.episode.tools import TOOL_SCHEMAS, Toolbox
 
     replies = [
         '<tool_call>\n{"name": "execute_bash", "arguments": {"command": 42}}\n</tool_call>',
@@ -307,7 +307,7 @@ def test_a_collector_bug_in_one_episode_is_its_recorded_error_with_a_traceback(
             return {}["no such key"]
 
     policy = ScriptedPolicy(tiny_tokenizer, [BASH_LS, SUBMIT_42])
-    with caplog.at_level("ERROR", logger="sandpiper.collector.agent"):
+    with caplog.at_level("ERROR", logger="sandpiper.collector.episode.loop"):
         episode = asyncio.run(
             run_episode(
                 episode_id="e",
@@ -328,7 +328,7 @@ def test_a_collector_bug_in_one_episode_is_its_recorded_error_with_a_traceback(
 def test_run_pooled_episode_contains_an_exception_of_the_episode_and_replaces_its_sandbox(
     tiny_tokenizer,
 ):
-    from sandpiper.collector.agent import run_pooled_episode
+    from sandpiper.collector.episode.loop import run_pooled_episode
 
     pool = FakePool()
 

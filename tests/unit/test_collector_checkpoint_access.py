@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandpiper.collector.launch import check_checkpoints_readable
+from sandpiper.collector.daemon.launch import check_checkpoints_readable
 from sandpiper.errors import ConfigError
 from sandpiper.store.records import PolicyRecord
 from sandpiper.testing import MemoryStore

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from sandpiper.collector.daemon import Collector
-from sandpiper.collector.render import ChatRenderer
-from sandpiper.collector.tasks import Task
+from sandpiper.collector.daemon.core import Collector
+from sandpiper.collector.episode.render import ChatRenderer
+from sandpiper.collector.tasks.model import Task
 from sandpiper.config import RunConfig
 from sandpiper.errors import StoreError
 from sandpiper.store.records import GroupStatus, PolicyRecord, Split, WriteOutcome
@@ -117,7 +117,7 @@ def test_a_group_the_store_cannot_take_is_logged_and_counted_not_a_crash(
         return real_put(group)
 
     writer.put = put
-    with caplog.at_level("ERROR", logger="sandpiper.collector.daemon"):
+    with caplog.at_level("ERROR", logger="sandpiper.collector.daemon.core"):
         metrics = asyncio.run(_run(collector))
     assert metrics.groups_rejected == 1 and metrics.groups_total >= 2
     assert f"group {calls[0]} NOT stored" in caplog.text

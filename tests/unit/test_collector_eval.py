@@ -8,9 +8,9 @@ import json
 
 import httpx
 
-from sandpiper.collector.agent import run_episode, run_pooled_episode
-from sandpiper.collector.chat_policy import ChatEndpoint, ChatPolicy
-from sandpiper.collector.tasks import Task
+from sandpiper.collector.episode.chat_policy import ChatEndpoint, ChatPolicy
+from sandpiper.collector.episode.loop import run_episode, run_pooled_episode
+from sandpiper.collector.tasks.model import Task
 from sandpiper.config import SamplingLimits
 from sandpiper.errors import TaskError
 from sandpiper.store.records import Role, StopReason, ToolErrorKind

@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 
-from sandpiper.collector.launch import adopt_orphan_spools
+from sandpiper.collector.daemon.launch import adopt_orphan_spools
 from sandpiper.collector.sandbox.janitor import ContainerInfo, Verdict, judge
 from sandpiper.store import Store
 from sandpiper.store.records import RunRecord, Split

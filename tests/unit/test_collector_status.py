@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 
-from sandpiper.collector.journal import SeqJournal
-from sandpiper.collector.status import CollectorMetrics, StatusReporter, status_line
+from sandpiper.collector.daemon.journal import SeqJournal
+from sandpiper.collector.daemon.status import CollectorMetrics, StatusReporter, status_line
 from sandpiper.store.records import (
     EpisodeRecord,
     GroupRecord,

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
+from sandpiper.collector.episode.parsers import parse_tool_calls
+from sandpiper.collector.episode.render import ChatRenderer
+from sandpiper.collector.episode.tools import offered_schemas
 from sandpiper.collector.inference.base import SamplingParams
-from sandpiper.collector.parsers import parse_tool_calls
-from sandpiper.collector.render import ChatRenderer
-from sandpiper.collector.tools import offered_schemas
 from sandpiper.demo.run import Demonstrator
 from sandpiper.demo.tasks import COMPUTE_COMMAND, DEMO_TOOLS, INSTRUCTION, SYSTEM_PROMPT
 from sandpiper.errors import SandpiperError

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sandpiper.collector.rewards import compute_reward
-from sandpiper.collector.tasks import load_tasks
+from sandpiper.collector.rewards.compute import compute_reward
+from sandpiper.collector.tasks.loading import load_tasks
 from sandpiper.demo.tasks import (
     COMPUTE_COMMAND,
     INSTRUCTION,

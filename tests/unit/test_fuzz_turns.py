@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from sandpiper.collector.agent import tool_record
-from sandpiper.collector.parsers import parse_tool_calls
+from sandpiper.collector.episode.loop import tool_record
+from sandpiper.collector.episode.parsers import parse_tool_calls
+from sandpiper.collector.episode.tools import Toolbox
 from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
-from sandpiper.collector.tools import Toolbox
 from sandpiper.store.records import ToolErrorKind
 from sandpiper.testing import FakeSandbox
 from tests.fixtures.fuzz import HostileTurns

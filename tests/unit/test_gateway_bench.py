@@ -88,9 +88,9 @@ def test_the_bench_agent_speaks_each_api_and_its_calls_extend(tiny_tokenizer, ap
     into the reply): the gateway answers every call, and the second call, which sends the
     first reply back with a tool result, extends the first token for token — so the bench
     times the path a real agent of that API takes."""
+    from sandpiper.collector.episode.render import ChatRenderer
+    from sandpiper.collector.episode.tools import offered_schemas
     from sandpiper.collector.gateway.server import Gateway, GatewaySettings
-    from sandpiper.collector.render import ChatRenderer
-    from sandpiper.collector.tools import offered_schemas
     from sandpiper.testing import ScriptedPolicy
 
     tools = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")

@@ -10,10 +10,10 @@ import json
 import openai
 import pytest
 
-from sandpiper.collector.client_tools import client_calls, plain_history, tools_prompt
+from sandpiper.collector.episode.client_tools import client_calls, plain_history, tools_prompt
+from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
-from sandpiper.collector.render import ChatRenderer
 from sandpiper.config import SamplingLimits
 from sandpiper.store.records import Role, ToolErrorKind
 from sandpiper.testing import FAKE_TOOL_SCHEMAS, ScriptedPolicy

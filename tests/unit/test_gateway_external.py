@@ -11,11 +11,11 @@ import textwrap
 import numpy as np
 import pytest
 
+from sandpiper.collector.episode.render import ChatRenderer
+from sandpiper.collector.episode.tools.base import ToolResult
 from sandpiper.collector.gateway.external import run_external_episode
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
-from sandpiper.collector.render import ChatRenderer
-from sandpiper.collector.tasks import Task
-from sandpiper.collector.tools.base import ToolResult
+from sandpiper.collector.tasks.model import Task
 from sandpiper.config import SamplingLimits
 from sandpiper.store.records import Role, StopReason, ToolErrorKind
 from sandpiper.testing import (

@@ -12,9 +12,9 @@ from datetime import UTC, datetime
 
 import numpy as np
 
+from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.gateway.session import EpisodeSession
 from sandpiper.collector.inference.base import Generation
-from sandpiper.collector.render import ChatRenderer
 from sandpiper.testing import FAKE_TOOL_SCHEMAS
 
 REPLY = '<tool_call>\n{"name": "execute_bash", "arguments": {"command": "ls"}}\n</tool_call>'

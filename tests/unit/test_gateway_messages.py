@@ -12,9 +12,9 @@ import anthropic
 import httpx
 import pytest
 
+from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
-from sandpiper.collector.render import ChatRenderer
 from sandpiper.store.records import Role
 from sandpiper.testing import FAKE_TOOL_SCHEMAS, ScriptedPolicy
 

@@ -12,12 +12,12 @@ import numpy as np
 import openai
 import pytest
 
+from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.request_params import RequestParams, cut_at_stop
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.inference.base import Generation, SamplingParams
 from sandpiper.collector.inference.vllm_client import _to_generation, generate_body
-from sandpiper.collector.render import ChatRenderer
 from sandpiper.config import SamplingLimits
 from sandpiper.store.records import ToolErrorKind
 from sandpiper.testing import FAKE_TOOL_SCHEMAS, ScriptedPolicy

@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
+from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.gateway.server import GatewaySettings
 from sandpiper.collector.gateway.standalone import StoringGateway
-from sandpiper.collector.render import ChatRenderer
 from sandpiper.store.records import GroupSampling, StopReason
 from sandpiper.testing import FAKE_TOOL_SCHEMAS, ScriptedPolicy
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.inference.server import OMP_SPIN_COUNT, VLLMServer
+from sandpiper.collector.inference.vllm_server import OMP_SPIN_COUNT, VLLMServer
 from sandpiper.config import InferenceConfig
 from sandpiper.errors import InferenceError
 from tests.fixtures.vllm import free_port
@@ -189,7 +189,7 @@ def test_start_servers_starts_all_or_none(tmp_path: Path, monkeypatch) -> None:
     import asyncio
     import contextlib
 
-    from sandpiper.collector.inference.server import start_servers
+    from sandpiper.collector.inference.vllm_server import start_servers
 
     def fake_command(self: VLLMServer) -> list[str]:
         workdir = tmp_path / str(self.port)
@@ -228,7 +228,7 @@ def test_start_servers_prefers_the_configured_log_dir(tmp_path: Path, monkeypatc
     import asyncio
     import contextlib
 
-    from sandpiper.collector.inference.server import start_servers
+    from sandpiper.collector.inference.vllm_server import start_servers
 
     async def idle(self: VLLMServer) -> None:
         return None

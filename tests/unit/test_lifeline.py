@@ -1,5 +1,5 @@
-"""Children die with their parent (``collector.lifeline``), and a stop is not held by a thread
-blocked in a call (``collector.shutdown``). Real processes, no services: an owner process is
+"""Children die with their parent (``collector.inference.lifeline``), and a stop is not held by a thread
+blocked in a call (``collector.daemon.shutdown``). Real processes, no services: an owner process is
 killed with SIGKILL and every process its wrapped child started must be gone."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import textwrap
 import time
 from pathlib import Path
 
-from sandpiper.collector import lifeline
+from sandpiper.collector.inference import lifeline
 from tests.conftest import REPO
 
 OWNER = textwrap.dedent(
     """
     import subprocess, sys, time
-    from sandpiper.collector import lifeline
+    from sandpiper.collector.inference import lifeline
     # a group member, one that leaves the group (setsid) and a Python that setsid()s itself
     script = (
         "sleep 1000 & echo $!; setsid sleep 1001 & echo $!; "
@@ -88,7 +88,7 @@ def test_the_wrapper_reports_its_child_exit_status_and_passes_signals_on():
 STUCK = textwrap.dedent(
     """
     import asyncio, threading, time
-    from sandpiper.collector.shutdown import call_bounded, exit_now_if_stuck, run_process
+    from sandpiper.collector.daemon.shutdown import call_bounded, exit_now_if_stuck, run_process
 
     async def main(stop):
         # a store call started before the stop and blocked (a DuckDB lock held elsewhere)
@@ -127,7 +127,7 @@ def test_a_stop_is_not_held_by_calls_blocked_in_threads():
 
 
 def test_close_writer_abandons_a_writer_that_holds_groups():
-    from sandpiper.collector.shutdown import close_writer
+    from sandpiper.collector.daemon.shutdown import close_writer
 
     class Writer:
         spool = Path("/spool")

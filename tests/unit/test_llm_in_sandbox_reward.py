@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from sandpiper.collector.rewards import compute_reward
+from sandpiper.collector.rewards.compute import compute_reward
 
 # (agent's answer.txt, ground_truth, domain, qa_type, the peer's reward)
 PEER_CASES = [

@@ -36,7 +36,7 @@ LOG_SOME = """
     setup_logging(verbose="-v" in sys.argv)
     logging.getLogger("httpx").info("HTTP Request: POST /generate 200")
     logging.getLogger("mlflow.tracking").info("mlflow chatter")
-    logging.getLogger("sandpiper.collector.daemon").info("collected 8 groups")
+    logging.getLogger("sandpiper.collector.daemon.core").info("collected 8 groups")
     logging.getLogger("httpx").warning("connection refused")
 """
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sandpiper.collector.parsers import parse_tool_calls
+from sandpiper.collector.episode.parsers import parse_tool_calls
 from sandpiper.store.records import ToolErrorKind
 from sandpiper.testing import FAKE_TOOL_SCHEMAS
 

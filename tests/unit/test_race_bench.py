@@ -140,8 +140,8 @@ def test_trl_environment_offers_sandpipers_tools_and_prompt(suite) -> None:
     the collector starts each episode with."""
     from transformers.utils import get_json_schema
 
-    from sandpiper.collector.tasks import load_tasks
-    from sandpiper.collector.tools import offered_schemas
+    from sandpiper.collector.episode.tools import offered_schemas
+    from sandpiper.collector.tasks.loading import load_tasks
 
     _, train, _, _, sp, _ = suite
     cc = sp.collector
@@ -217,7 +217,7 @@ def test_both_sides_render_the_same_prompt(learner_tiny_model: Path) -> None:
     the shipped template rendered them (a model warm-started on them sees no change)."""
     from transformers import AutoTokenizer
 
-    from sandpiper.collector.tools import offered_schemas
+    from sandpiper.collector.episode.tools import offered_schemas
 
     repo = BENCH.parent
     tok = AutoTokenizer.from_pretrained(learner_tiny_model)
@@ -263,7 +263,7 @@ class _FakePool:
 def test_sandbox_env_runs_the_task_with_sandpipers_toolbox_and_reward(suite) -> None:
     """TRL's view of an episode: reset, tool calls, get_reward; the sandbox is prepared with
     the task's files, given back after the reward, and the reward is the task's."""
-    from sandpiper.collector.tasks import load_tasks
+    from sandpiper.collector.tasks.loading import load_tasks
     from sandpiper.demo.tasks import COMPUTE_COMMAND
 
     _, train, _, _, sp, _ = suite

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from sandpiper.collector import (
+from sandpiper.collector.rewards import (
     reference,  # TestsReference by attribute: pytest collects Test* names
 )
-from sandpiper.collector.reference import (
+from sandpiper.collector.rewards.compute import compute_reward
+from sandpiper.collector.rewards.reference import (
     REFERENCE_KEYS,
     REWARD_KINDS,
     BrokenReference,
@@ -19,8 +20,7 @@ from sandpiper.collector.reference import (
     parse_reference,
     task_reference,
 )
-from sandpiper.collector.rewards import compute_reward
-from sandpiper.collector.tasks import load_tasks
+from sandpiper.collector.tasks.loading import load_tasks
 from sandpiper.errors import TaskError
 
 

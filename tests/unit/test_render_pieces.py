@@ -1,4 +1,4 @@
-"""Piece-wise cached encoding (``collector.render._PieceEncoder``) gives the tokenizer's own ids.
+"""Piece-wise cached encoding (``collector.episode.render._PieceEncoder``) gives the tokenizer's own ids.
 
 The renderer encodes a text as the ids of its pieces between added tokens, each piece's ids
 cached (the gateway's first prompts and deltas repeat the same system prompt, tool schemas
@@ -14,9 +14,9 @@ import random
 
 import pytest
 
-from sandpiper.collector import render
-from sandpiper.collector.render import ChatRenderer, _PieceEncoder
-from sandpiper.collector.tools import offered_schemas
+from sandpiper.collector.episode import render
+from sandpiper.collector.episode.render import ChatRenderer, _PieceEncoder
+from sandpiper.collector.episode.tools import offered_schemas
 from tests.unit.test_render_prefix import smollm2_tokenizer  # noqa: F401  (a fixture)
 
 TOOLS = offered_schemas(["execute_bash", "str_replace_editor", "submit"], "brief")

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.render import ChatRenderer, _as_user_turn
-from sandpiper.collector.tools import offered_schemas
+from sandpiper.collector.episode.render import ChatRenderer, _as_user_turn
+from sandpiper.collector.episode.tools import offered_schemas
 from tests.conftest import REPO, require
 
 TOOLS = offered_schemas(["execute_bash", "submit"], "brief")
@@ -144,7 +144,7 @@ def test_bash_block_renders_no_tool_schemas_and_observations_as_user_turns(tiny_
 
 
 def test_a_chat_template_file_overrides_the_tokenizers(tiny_tokenizer, tmp_path):
-    from sandpiper.collector.render import read_chat_template
+    from sandpiper.collector.episode.render import read_chat_template
     from sandpiper.config import load_config
     from sandpiper.errors import ConfigError
 

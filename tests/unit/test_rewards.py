@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sandpiper.collector.rewards import compute_reward, exact_match, math_equal, rouge
+from sandpiper.collector.rewards.answer_scores import exact_match, math_equal, rouge
+from sandpiper.collector.rewards.compute import compute_reward
 from sandpiper.errors import TaskError
 
 

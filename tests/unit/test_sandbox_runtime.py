@@ -10,7 +10,7 @@ import pytest
 
 from sandpiper.collector.sandbox.base import ExecOutcome, Sandbox
 from sandpiper.collector.sandbox.client import PodmanSandbox, join_capped
-from sandpiper.collector.sandbox.image import ImageRecipe
+from sandpiper.collector.sandbox.image_build import ImageRecipe
 from sandpiper.collector.sandbox.isolation import container_argv
 from sandpiper.collector.sandbox.uids import UidSlots, register_subid_range
 from sandpiper.config import SandboxConfig

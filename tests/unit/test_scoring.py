@@ -1,4 +1,4 @@
-"""Answers are scored off the collector's event loop, with a hard deadline (collector.scoring)."""
+"""Answers are scored off the collector's event loop, with a hard deadline (collector.rewards.worker)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sandpiper.collector import scoring
+from sandpiper.collector.rewards import worker as scoring
 from sandpiper.errors import TaskError
 
 TOWER = "$9^{9^{9^{9}}}$"  # holds math-verify's parse for ~6 s (its own deadlines are 5 s)

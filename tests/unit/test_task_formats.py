@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.agent import run_episode
-from sandpiper.collector.policy import TokenPolicy
-from sandpiper.collector.render import ChatRenderer
-from sandpiper.collector.tasks import import_tasks, load_task_folder, load_tasks
+from sandpiper.collector.episode.loop import run_episode
+from sandpiper.collector.episode.policy import TokenPolicy
+from sandpiper.collector.episode.render import ChatRenderer
+from sandpiper.collector.tasks.importer import import_tasks
+from sandpiper.collector.tasks.loading import load_task_folder, load_tasks
 from sandpiper.config import SamplingLimits
 from sandpiper.errors import TaskError
 from sandpiper.store.records import StopReason
@@ -348,7 +349,7 @@ def test_open_instruct_row_errors_are_clear_and_leave_nothing(tmp_path):
 )
 def test_reward_txt_is_read_as_open_instruct_reads_it(text, reward):
     """``float(stdout.strip())`` clamped to [0, 1]; anything that is not one number → 0."""
-    from sandpiper.collector.tools.reward import reward_from_result
+    from sandpiper.collector.rewards.test_results import reward_from_result
 
     got, _ = reward_from_result("reward_file", result_text=text, stdout="", exit_code=0, secret="s")
     assert got == reward

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.tasks import import_tasks
+from sandpiper.collector.tasks.importer import import_tasks
 from sandpiper.errors import TaskError
 
 # ---- TRL + Daytona -------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from sandpiper.cli import app
-from sandpiper.collector.task_import import SKIPPED_FILE, skipped_rows
-from sandpiper.collector.tasks import import_tasks, load_tasks
+from sandpiper.collector.tasks.importer import SKIPPED_FILE, import_tasks, skipped_rows
+from sandpiper.collector.tasks.loading import load_tasks
 from sandpiper.errors import TaskError
 from tests.unit.test_task_formats import LIS_ROWS
 

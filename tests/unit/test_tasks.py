@@ -7,13 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.collector.tasks import (
-    convert_llm_in_sandbox,
-    import_tasks,
-    load_task_folder,
-    load_tasks,
-    split_of,
-)
+from sandpiper.collector.tasks.importer import convert_llm_in_sandbox, import_tasks
+from sandpiper.collector.tasks.loading import load_task_folder, load_tasks
+from sandpiper.collector.tasks.model import split_of
 from sandpiper.errors import TaskError
 from sandpiper.store.records import Split
 

@@ -44,7 +44,7 @@ def test_tasks_import_reports_bad_sources_without_traceback(tmp_path):
 
 
 def test_shipped_example_tasks_load():
-    from sandpiper.collector.tasks import load_tasks
+    from sandpiper.collector.tasks.loading import load_tasks
 
     demo = load_tasks(REPO / "tasks/demo.jsonl")
     assert len(demo) >= 5 and any(t.split.value == "validation" for t in demo)

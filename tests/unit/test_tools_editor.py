@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sandpiper.collector.tools.editor import TRUNCATED_MESSAGE, Editor, EditorError
+from sandpiper.collector.episode.tools.editor import TRUNCATED_MESSAGE, Editor, EditorError
 
 
 def run(coro):

@@ -9,15 +9,15 @@ import os
 
 import pytest
 
-from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
-from sandpiper.collector.sandbox.supervisor import files as _supervisor_files
-from sandpiper.collector.tools.editor import (
+from sandpiper.collector.episode.tools.editor import (
     MAX_EDIT_BYTES,
     TRUNCATED_MESSAGE,
     VIEW_READ_BYTES,
     Editor,
     EditorError,
 )
+from sandpiper.collector.sandbox.base import ExecOutcome, ExecResult
+from sandpiper.collector.sandbox.supervisor import files as _supervisor_files
 
 
 def run(coro):
@@ -190,7 +190,7 @@ def test_supervisor_listing_is_bounded_in_bytes(tmp_path):
 
 
 def test_a_lone_surrogate_through_the_toolbox_is_an_answer(fake_sandbox):
-    from sandpiper.collector.tools import Toolbox
+    from sandpiper.collector.episode.tools import Toolbox
     from sandpiper.store.records import ToolErrorKind
 
     toolbox = Toolbox(

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from sandpiper.collector.tools import TOOL_SCHEMAS, Toolbox, offered_schemas
+from sandpiper.collector.episode.tools import TOOL_SCHEMAS, Toolbox, offered_schemas
 from sandpiper.store.records import ToolErrorKind
 
 TESTS_DIR = "/grade/tests"
@@ -143,8 +143,8 @@ def test_argument_checks_come_from_the_schemas_and_the_byte_limit_from_one_place
     """The schemas the model is shown declare every argument the toolbox accepts, and which
     are required. The byte limit is the run's ``SamplingLimits.max_argument_bytes``, checked
     where a call is parsed: the toolbox has no limit of its own to drift from it."""
-    from sandpiper.collector.parsers import DEFAULT_MAX_ARGUMENT_BYTES, checked_call
-    from sandpiper.collector.tools.toolbox import _ARGUMENTS
+    from sandpiper.collector.episode.parsers import DEFAULT_MAX_ARGUMENT_BYTES, checked_call
+    from sandpiper.collector.episode.tools.toolbox import _ARGUMENTS
     from sandpiper.config import CollectorConfig, SamplingLimits
 
     for schema in TOOL_SCHEMAS:
