@@ -1,5 +1,5 @@
 """Every shipped task pays: its reference solution scores 1 and a wrong answer 0, through the
-real episode loop, toolbox, podman sandbox and grader (``collector/sandbox/_grader.py``),
+real episode loop, toolbox, podman sandbox and grader (``collector/sandbox/supervisor/grader.py``),
 rewards and scoring — as a user's run would grade them.
 
 The tasks: everything under ``tasks/`` (each source read the way docs/tasks.md says to read
