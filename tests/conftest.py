@@ -57,6 +57,19 @@ def repo_root() -> Path:
     return REPO
 
 
+@pytest.fixture(autouse=True)
+def _no_environment_leaks():
+    """A test leaves ``os.environ`` as it found it, whatever it or a library it called set.
+
+    DeepSpeed, started in-process, sets RANK / MASTER_PORT; left behind, a later test's child
+    learner inherited a rendezvous port another process held and failed with EADDRINUSE
+    (the likely cause of the race bench's learner failing in one CI run)."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
 TIER_DIRS = ("unit", "integration", "e2e")
 """``tests/<dir>/`` -> the tier marker of every test in it."""
 SHARED_SERVER_FIXTURES = {"vllm_server": "vllm"}

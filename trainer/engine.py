@@ -61,6 +61,12 @@ def disable_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
+_OWN_WORLD_ENV: dict[str, str | None] = {}
+"""The variables :func:`init_distributed` set for a world of one, with what they held before:
+:func:`shutdown_distributed` puts them back, so a child started afterwards (a test's next
+learner, say) does not inherit a rendezvous port this process's store held (EADDRINUSE)."""
+
+
 def init_distributed() -> World:
     """Join (or create) the process group; must run before DeepSpeed is imported elsewhere."""
     on_gpu = torch.cuda.is_available()
@@ -68,10 +74,12 @@ def init_distributed() -> World:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     own_world = "RANK" not in os.environ
     if own_world:  # plain `python`: a world of one
-        os.environ.update(
+        world = dict(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
             MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
         )  # fmt: skip
+        _OWN_WORLD_ENV.update({key: os.environ.get(key) for key in world})
+        os.environ.update(world)
     import deepspeed
 
     # Imported before the default group exists: its functions take `group=group.WORLD` as a
@@ -155,6 +163,12 @@ def shutdown_distributed(*, clean: bool = True) -> int:
     else:
         dist.destroy_process_group()
     gc.collect()
+    for key, value in _OWN_WORLD_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _OWN_WORLD_ENV.clear()
     left = comm_threads()
     if left:
         log.warning(

@@ -248,7 +248,18 @@ def run_grpo(config: RunConfig, *, minutes: float, on_tick: Any) -> None:
             log.close()
         signal.signal(signal.SIGTERM, previous)
     if procs["learner"].returncode not in (0, -signal.SIGTERM):
-        raise SandpiperError(f"the learner failed; see {logs / 'learner.log'}")
+        log_path = logs / "learner.log"
+        raise SandpiperError(
+            f"the learner failed (exit {procs['learner'].returncode}); see {log_path}; "
+            f"its last lines:\n{_tail(log_path)}"
+        )
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -27,6 +27,7 @@ from sandpiper.collector.episode.loop import default_toolbox_factory, run_pooled
 from sandpiper.collector.episode.policy import TokenPolicy
 from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.episode.tools import TOOL_SCHEMAS
+from sandpiper.collector.sandbox.isolation import SUPERVISOR_MAIN
 from sandpiper.collector.tasks.loading import load_task_folder
 from sandpiper.config import SamplingLimits
 from sandpiper.store.records import StopReason, ToolErrorKind
@@ -261,7 +262,7 @@ def test_a_stopped_shell_is_detected_by_the_host_watchdog_and_the_episode_goes_o
     takeover, and the call reported as timed out; the episode continues and is graded."""
 
     def stop_supervisor():
-        subprocess.run(["podman", "exec", _container(), "pkill", "-STOP", "-f", "supervisor.py"],
+        subprocess.run(["podman", "exec", _container(), "pkill", "-STOP", "-f", SUPERVISOR_MAIN],
                        check=True)  # fmt: skip
 
     replies = [bash("echo one"), bash("echo two", timeout=1), bash("echo three"), SUBMIT]
