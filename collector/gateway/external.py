@@ -47,6 +47,7 @@ from sandpiper.collector.episode.loop import ToolRunner, finish_episode, prepare
 from sandpiper.collector.episode.parsers import checked_call
 from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.server import Gateway
+from sandpiper.collector.inference import lifeline
 from sandpiper.collector.sandbox.base import ToolSandbox
 from sandpiper.collector.tasks.model import Task
 from sandpiper.config import SamplingLimits
@@ -189,11 +190,16 @@ def _agent_env(
 async def _run_agent(
     argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, timeout_s: float
 ) -> int | None:
-    """Exit status of the agent, or None when it was killed at the time limit."""
+    """Exit status of the agent, or None when it was killed at the time limit.
+
+    The agent runs under a lifeline (:mod:`sandpiper.collector.inference.lifeline`) in a
+    session of its own: a collector killed with SIGKILL takes it and everything it started
+    along, instead of leaving an agent that keeps calling a gateway nobody serves."""
+    wrapped, fds = lifeline.wrap(list(argv))
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            *wrapped, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True, pass_fds=fds,
         )  # fmt: skip
         try:
             return await asyncio.wait_for(proc.wait(), timeout_s)

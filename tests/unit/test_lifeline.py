@@ -71,6 +71,41 @@ def test_children_die_with_an_owner_killed_by_sigkill(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+AGENT_OWNER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from sandpiper.collector.gateway.external import _run_agent
+    out = Path(sys.argv[1])
+    # an agent that starts a helper of its own and writes both pids
+    agent = ["sh", "-c", f"sleep 1000 & echo $$ $! > {out}.tmp; mv {out}.tmp {out}; wait"]
+    asyncio.run(_run_agent(agent, {"PATH": "/usr/bin:/bin"}, out.parent, out.parent / "log", 1000))
+    """
+)
+
+
+def test_an_external_agent_dies_with_a_collector_killed_by_sigkill(tmp_path):
+    """An ``agent_command`` agent (Codex, Claude Code, ...) runs under the lifeline too."""
+    out = tmp_path / "agent-pids"
+    owner = subprocess.Popen([sys.executable, "-c", AGENT_OWNER, str(out)], cwd=REPO)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(p) for p in out.read_text().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+        assert _wait_gone(pids, lifeline.GRACE_S + 10) == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_the_wrapper_reports_its_child_exit_status_and_passes_signals_on():
     argv, fds = lifeline.wrap(["sh", "-c", "exit 3"])
     assert subprocess.run(argv, pass_fds=fds, check=False).returncode == 3
