@@ -35,7 +35,8 @@ def _main(
         False,
         "--verbose",
         "-v",
-        help="Also show other libraries' INFO logs (HTTP requests, MLflow, DeepSpeed, ...).",
+        help="Also show other libraries' INFO logs (HTTP requests, MLflow, DeepSpeed, ...), "
+        "and the traceback behind an error's one line. Also accepted after the command.",
     ),
 ) -> None:
     """Local-first RL for LLM agents: collector, sandboxes, trajectory store, GRPO learner."""

@@ -146,10 +146,16 @@ def _read_template(path: str | Path | None) -> str | None:
 def _gguf_name(src: Path) -> str | None:
     if src.is_file():
         if src.suffix != ".gguf":
-            raise ModelImportError(f"{src} is a file but not a .gguf file")
+            raise ModelImportError(
+                f"{src} is a file but not a .gguf file: give a .gguf file or a Hugging Face "
+                "model folder (config.json and weights)"
+            )
         return src.name
     if not src.is_dir():
-        raise ModelImportError(f"{src} does not exist")
+        raise ModelImportError(
+            f"{src} does not exist: give a .gguf file or a Hugging Face model folder "
+            "(config.json and weights)"
+        )
     if not (src / "config.json").is_file():
         ggufs = sorted(p.name for p in src.glob("*.gguf"))
         hint = f" (it holds {', '.join(ggufs)}: pass one of them)" if ggufs else ""

@@ -142,6 +142,7 @@ def convert_records(
         raise TaskError(
             "no tasks found in the source"
             + (f" ({len(skipped)} rows skipped: {skipped[0]['reason']})" if skipped else "")
+            + "; give rows of one of the formats in docs/tasks.md"
         )
     return tasks
 

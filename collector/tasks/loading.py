@@ -76,7 +76,10 @@ def load_tasks(
         dirs = sorted(p for p in path.iterdir() if (p / "instruction.md").is_file())
         tasks = [load_task_folder(p) for p in dirs]
     if not tasks:
-        raise TaskError(f"no tasks found in {path}")
+        raise TaskError(
+            f"no tasks found in {path}: give a JSONL file of task rows, a task folder "
+            "(instruction.md) or a folder of task folders"
+        )
     check_unique(tasks)
     return [assign_split(t, validation_fraction, split_seed) for t in tasks]
 

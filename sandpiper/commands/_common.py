@@ -111,8 +111,14 @@ def resolve_config(config: Path | None, ctx: typer.Context) -> RunConfig:
     """Load ``config`` and apply the dotted ``--part.field value`` arguments of ``ctx``."""
     with cli_errors():
         cfg = load_config(config, list(ctx.args))
-    _STORE_URL[:] = [cfg.store.url]
+    name_store_in_errors(cfg.store.url)
     return cfg
+
+
+def name_store_in_errors(url: str) -> None:
+    """Name ``url`` in a store error from now on: the config's URL, or a command's ``--url``
+    that replaces it."""
+    _STORE_URL[:] = [url]
 
 
 def fail(message: str) -> NoReturn:

@@ -10,10 +10,16 @@ here) and returns the line; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import errno
+import os
+import re
 
 from sandpiper.config_checks import redact
 
 NO_SPACE = "No space left on device"
+
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)(?::\s*(\S.*))?")
+"""How polars (Rust) words an ``OSError`` it raises without ``errno`` or ``filename``:
+``Read-only file system (os error 30): /path/x.parquet``."""
 
 
 def _chain(exc: BaseException):
@@ -25,8 +31,19 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
 
 
-def _where(exc: OSError) -> str:
-    return f" ({exc.filename})" if exc.filename else ""
+def _os_error(exc: OSError) -> tuple[int | None, str | None]:
+    """``exc``'s errno and file name, read from its message when a Rust library left the
+    attributes empty."""
+    if exc.errno is not None:
+        return exc.errno, exc.filename
+    found = RUST_OS_ERROR.search(str(exc))
+    if found is None:
+        return None, exc.filename
+    return int(found.group(1)), exc.filename or found.group(2)
+
+
+def _where(filename: str | None) -> str:
+    return f" ({filename})" if filename else ""
 
 
 def explain(exc: BaseException, *, store_url: str | None = None) -> str | None:
@@ -39,19 +56,20 @@ def explain(exc: BaseException, *, store_url: str | None = None) -> str | None:
 
 
 def _explain_one(e: BaseException, store_url: str | None) -> str | None:
-    if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or NO_SPACE in str(e):
-        where = _where(e) if isinstance(e, OSError) else ""
+    code, filename = _os_error(e) if isinstance(e, OSError) else (None, None)
+    if code == errno.ENOSPC or NO_SPACE in str(e):
+        where = _where(filename)
         return (
             f"no space left on the device{where}: free some space, or point runs_dir, "
             "learner.checkpoint_dir or --out at a disk with room, then run the command again "
             "(the store and the spool keep what was committed)"
         )
-    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         return (
-            f"permission denied{_where(e)}: {e.strerror}; choose a folder you can write "
+            f"permission denied{_where(filename)}: {os.strerror(code)}; choose a folder you can write "
             "(runs_dir, learner.checkpoint_dir, --out) or fix its permissions"
         )
-    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+    if code == errno.EADDRINUSE:
         return (
             "a port this command needs is in use: stop what holds it (`ss -ltnp` shows it) or "
             "pick another (--port, inference.base_port, collector.gateway_port; 0 = any free)"

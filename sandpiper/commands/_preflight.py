@@ -77,10 +77,21 @@ def _cached(repo_id: str) -> bool:
     return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
-def check_tasks(source: str, field: str = "collector.tasks") -> None:
+TASKS_HINT = (
+    "give a JSONL file or a folder of task folders (`sandpiper tasks import SRC --out DIR`)"
+)
+"""What to give ``collector.tasks``: what the collector reads, or what the import writes."""
+
+SOURCE_HINT = (
+    "give a JSONL or JSON file of task rows, a task folder or a folder of them "
+    "(docs/tasks.md lists the formats)"
+)
+"""What to give ``sandpiper tasks import`` / ``list``: any peer's format."""
+
+
+def check_tasks(source: str, field: str = "collector.tasks", hint: str = TASKS_HINT) -> None:
     """The task source exists and is not empty (its records are checked when loaded)."""
     path = Path(source)
-    hint = "give a JSONL file or a folder of task folders (`sandpiper tasks import SRC --out DIR`)"
     if not path.exists():
         raise SetupError(f"{field} = {source!r}: no such file or folder; {hint}")
     empty = (

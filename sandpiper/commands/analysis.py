@@ -71,6 +71,8 @@ def register(app: typer.Typer) -> None:
             output = OutputFormat(fmt)
             if output == OutputFormat.PARQUET and out is None:
                 raise QueryError("--format parquet needs --out FILE (Parquet is binary)")
+            if out is not None:
+                out.parent.mkdir(parents=True, exist_ok=True)  # as `report --out` does
             write_frame(run_sql(store, query), output, out=out)
 
     @command(app, "show")

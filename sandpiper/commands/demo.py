@@ -35,13 +35,18 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         minutes: Annotated[
-            float | None, typer.Option(help="Time budget of the GRPO phase (default per model).")
+            float | None,
+            typer.Option(min=0.1, help="Time budget of the GRPO phase (default per model)."),
         ] = None,
         tasks: Annotated[
-            int | None, typer.Option(help="Demo tasks and SFT demonstrations (default per model).")
+            int | None,
+            typer.Option(min=1, help="Demo tasks and SFT demonstrations (default per model)."),
         ] = None,
         compute_fraction: Annotated[
-            float, typer.Option(help="Share of the teacher's demonstrations that compute.")
+            float,
+            typer.Option(
+                min=0.0, max=1.0, help="Share of the teacher's demonstrations that compute."
+            ),
         ] = COMPUTE_FRACTION,
         fresh: Annotated[
             bool,

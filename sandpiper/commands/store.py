@@ -9,7 +9,13 @@ from typing import Annotated
 
 import typer
 
-from sandpiper.commands._common import ConfigOption, cli_errors, command, resolve_config
+from sandpiper.commands._common import (
+    ConfigOption,
+    cli_errors,
+    command,
+    name_store_in_errors,
+    resolve_config,
+)
 
 UrlOption = Annotated[
     str | None,
@@ -22,6 +28,8 @@ def _open(ctx: typer.Context, config: Path | None, url: str | None):
     from sandpiper.store import Store
 
     cfg = resolve_config(config, ctx).store
+    if url:
+        name_store_in_errors(url)
     return Store(url or cfg.url, lock_timeout_s=cfg.lock_timeout_s)
 
 

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from sandpiper.commands._common import VerboseCommand, cli_errors
+from sandpiper.commands._preflight import SOURCE_HINT, check_tasks
 
 FORMATS = ("auto", "jsonl", "folder", "llm_in_sandbox", "trl_daytona")
 
@@ -55,6 +56,7 @@ def register(app: typer.Typer) -> None:
         from sandpiper.collector.tasks.importer import SKIPPED_FILE, import_tasks, skipped_rows
 
         with cli_errors():
+            check_tasks(str(source), field="SRC", hint=SOURCE_HINT)
             tasks = import_tasks(
                 source, out, fmt=fmt, validation_fraction=validation_fraction,
                 split_seed=split_seed, task_data_dir=task_data_dir, strict=strict,
@@ -82,6 +84,7 @@ def register(app: typer.Typer) -> None:
         from sandpiper.collector.tasks.loading import load_tasks
 
         with cli_errors():
+            check_tasks(str(source), field="SRC", hint=SOURCE_HINT)
             tasks = load_tasks(
                 source, validation_fraction=validation_fraction, split_seed=split_seed
             )

@@ -87,7 +87,16 @@ def test_a_store_url_with_an_unknown_scheme_or_no_server(tmp_path: Path) -> None
                  "SELECT 1"),
             "cannot reach the store", "is the server running",
         )  # fmt: skip
-    assert "s3cret" not in line and "me:***@" in line
+        # `store ... --url` replaces the config's URL, and the error names the one it tried
+        line_init = _one_line_error(
+            _run("store", "init", "--url", f"postgresql+psycopg://me:s3cret@127.0.0.1:{port}/db"),
+            f"cannot reach the store postgresql+psycopg://me:***@127.0.0.1:{port}/db",
+        )  # fmt: skip
+    assert "s3cret" not in line + line_init and "me:***@" in line
+    _one_line_error(
+        _run("store", "stats", "--url", "redis://localhost/0"),
+        "unsupported store URL", "use duckdb:///path or postgresql+psycopg://",
+    )  # fmt: skip
     _one_line_error(
         _run("sql", "--store.url", f"duckdb:///{tmp_path}/none.duckdb", "SELECT 1"),
         "no store at", "sandpiper store init",
@@ -106,6 +115,14 @@ def test_a_task_source_that_is_missing_or_empty(tmp_path: Path) -> None:
             _run("collect", "--collector.tasks", str(tmp_path / source)), "is empty: no tasks"
         )
         _one_line_error(_run("tasks", "list", str(tmp_path / source)), "no tasks")
+    for args in (["tasks", "import", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
+                 ["tasks", "list", str(tmp_path / "empty.jsonl")]):  # fmt: skip
+        _one_line_error(_run(*args), "SRC = ", "docs/tasks.md lists the formats")
+    _one_line_error(
+        _run("tasks", "list", str(REPO / "configs")),
+        "no tasks found in",
+        "a folder of task folders",
+    )
 
 
 def test_a_port_in_use(model_dir: Path, tmp_path: Path) -> None:
@@ -148,6 +165,21 @@ def test_a_disk_that_fills(store_url: str) -> None:
              "SELECT 1 AS x"),
         "no space left on the device", "free some space",
     )  # fmt: skip
+
+
+def test_an_out_folder_that_does_not_exist_yet_is_created(store_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "new" / "x.csv"
+    done = _run("sql", "-f", "csv", "-o", str(out), "--store.url", store_url, "SELECT 1 AS x")
+    assert done.returncode == 0, done.stderr
+    assert out.read_text().split() == ["x", "1"]
+
+
+def test_demo_options_out_of_range_are_refused_before_anything_starts() -> None:
+    for option, value in (("--tasks", "0"), ("--compute-fraction", "3"), ("--minutes", "-1")):
+        done = _run("demo", option, value)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f"Invalid value for '{option}'" in done.stderr
+        assert "Traceback" not in done.stderr
 
 
 def test_a_checkpoint_folder_that_cannot_be_written(model_dir: Path, tmp_path: Path) -> None:
@@ -224,6 +256,9 @@ def test_split_overrides_leaves_a_commands_own_options_and_their_values() -> Non
         (OSError(errno.EADDRINUSE, "Address already in use"), "a port this command needs is in use"),
         (FileNotFoundError(errno.ENOENT, "No such file or directory", "podman"), "podman is not installed"),
         (RuntimeError("IO Error: No space left on device"), "no space left on the device"),
+        # polars (Rust) leaves errno and filename empty and words them into the message
+        (OSError("Read-only file system (os error 30): /ro/x.parquet"), "permission denied (/ro/x.parquet)"),
+        (OSError("No space left on device (os error 28): /full/x"), "no space left on the device (/full/x)"),
     ],
 )  # fmt: skip
 def test_library_failures_of_the_setup_read_as_one_line(error: BaseException, phrase: str) -> None:
