@@ -15,6 +15,14 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 PATH = re.compile(r"`((?:\.\./)+[\w./-]*\.[a-z]+|(?:docs|bench|configs)/[\w./-]+)`")
 """Paths in code spans that name a file of the repository (``docs/x.md``, ``bench/y.py``) or a
 file outside it (``../shared/DESIGN.md``; a bare ``../../etc`` is an example, not a file)."""
+CODE_PATH = re.compile(
+    r"`((?:collector|store|trainer|analysis|sandpiper|scripts|tasks|tests/(?:unit|integration|e2e"
+    r"|fixtures))/[\w./-]+)"
+)
+"""Paths of code in code spans (``collector/daemon/core.py``, ``store/slots.py:claim_slots``),
+checked in the user docs (not in CHANGELOG.md, which names files as they were): code moves, and
+a newcomer who follows a stale path finds nothing. (A task's own ``tests/run.sh`` is no path of
+the repository.)"""
 
 
 def _targets(text: str) -> list[str]:
@@ -52,6 +60,10 @@ def _problems(doc: Path) -> list[str]:
             found.append(f"`{path}`: outside the repository")
         elif not (ROOT / path.rstrip("/")).exists():
             found.append(f"`{path}`: no such file")
+    if doc.name != "CHANGELOG.md":
+        for path in CODE_PATH.findall(text):
+            if not (ROOT / path.rstrip("/.")).exists():
+                found.append(f"`{path}`: no such file")
     return found
 
 
@@ -78,9 +90,10 @@ def test_the_checks_can_fail(tmp_path: Path, monkeypatch) -> None:
         doc.write_text(
             "[design](../../shared/DESIGN.md) [gone](missing.md) [anchor](tasks.md#nowhere)\n"
             "See `../shared/PLATFORM.md` and `bench/nothing_here.py`; session 12 measured it.\n"
+            "The daemon was `collector/daemon.py` (`collector/daemon/core.py` now).\n"
         )
         problems = _problems(doc)
-        assert len(problems) == 5, problems
+        assert len(problems) == 6, problems
         assert HISTORY.findall(doc.read_text())
     finally:
         doc.unlink()
