@@ -109,7 +109,7 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(
                 help="A `sandpiper replay` result (replay.json) to include; default: "
-                "<runs_dir>/<run>/replay/replay.json when it exists."
+                "RUNS_DIR/RUN/replay/replay.json when it exists."
             ),
         ] = None,
         config: ConfigOption = None,

@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
         """Serve the run's policy as an OpenAI-compatible API, one base URL per episode.
 
         POST /episodes opens an episode and returns its base URL (model name ``policy``);
-        POST /episodes/<id>/close returns its calls with token ids, logprobs and policy
+        POST /episodes/ID/close returns its calls with token ids, logprobs and policy
         versions. Every episode is stored in the run's store when it ends: closed, past its
         time limit, or still open when the gateway stops (stop reason cancelled). The
         collector runs the same gateway for tasks that name an agent_command

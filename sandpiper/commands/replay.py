@@ -60,7 +60,9 @@ def register(app: typer.Typer) -> None:
         ] = False,
         out: Annotated[
             Path | None,
-            typer.Option(help="Folder for replay.json + replay.png (default <run_dir>/replay)."),
+            typer.Option(
+                help="Folder for replay.json + replay.png (default: replay/ in the run folder)."
+            ),
         ] = None,
         mlflow: Annotated[
             bool, typer.Option(help="Log an MLflow run when tracking is enabled.")
