@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from sandpiper.config import RunConfig
 from sandpiper.config_checks import redact
@@ -114,6 +115,23 @@ def check_port_free(port: int, *, host: str = "127.0.0.1", field: str) -> None:
                 f"{field} = {port}: port {port} on {host} is in use ({e.strerror}): stop what "
                 f"holds it (`ss -ltnp 'sport = :{port}'`) or pick another (0 = any free port)"
             ) from None
+
+
+def check_endpoint(url: str, field: str = "--endpoint", timeout_s: float = 5.0) -> None:
+    """Something accepts connections at ``url``'s host and port. Without this check an
+    evaluation against a server that is not running "succeeds": every episode is stored as a
+    model_error and the command exits 0."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise SetupError(f"{field} = {url!r}: give an http(s) URL, e.g. http://127.0.0.1:8000/v1")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise SetupError(
+            f"{field} = {url!r}: nothing answers at {parts.hostname}:{port} "
+            f"({e.strerror or e}); is the model server running and the URL right?"
+        ) from None
 
 
 def check_server_ports(cfg: RunConfig) -> None:

@@ -103,6 +103,18 @@ def test_a_store_url_with_an_unknown_scheme_or_no_server(tmp_path: Path) -> None
     )  # fmt: skip
 
 
+def test_an_eval_endpoint_with_no_server_behind_it(tmp_path: Path) -> None:
+    # Before the check, every episode was stored as a model_error and the command exited 0.
+    with socket.socket() as sock:  # bound, never listening
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        _one_line_error(
+            _run("collect", "--eval", "--endpoint", url, "--model", "m",
+                 "--collector.tasks", str(REPO / "tasks/demo.jsonl"), "--runs_dir", str(tmp_path)),
+            f"--endpoint = '{url}': nothing answers at", "is the model server running",
+        )  # fmt: skip
+
+
 def test_a_task_source_that_is_missing_or_empty(tmp_path: Path) -> None:
     _one_line_error(
         _run("collect", "--collector.tasks", str(tmp_path / "none.jsonl")),
