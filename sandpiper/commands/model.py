@@ -3,12 +3,20 @@ import SRC OUT`` (a GGUF file or Hugging Face folder as a policy folder)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from sandpiper.commands._common import VerboseCommand, cli_errors
+
+
+def _deepspeed_on_cpu() -> None:
+    """Tell DeepSpeed it runs on CPU, unless the user chose otherwise. Saving a model makes
+    transformers import DeepSpeed (to ask whether ZeRO-3 is on), whose accelerator probe
+    otherwise prints a WARNING about a GPU it did not find; these commands never use one."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def register(app: typer.Typer) -> None:
@@ -25,6 +33,7 @@ def register(app: typer.Typer) -> None:
         The same seed writes byte-identical files."""
         from sandpiper.tiny_model import count_parameters, init_tiny_model
 
+        _deepspeed_on_cpu()
         with cli_errors():
             path = init_tiny_model(out_dir, seed=seed)
         typer.echo(f"wrote {path} ({count_parameters(path):,} parameters, seed {seed})")
@@ -54,6 +63,7 @@ def register(app: typer.Typer) -> None:
         de-quantized."""
         from sandpiper.model_import import import_model, smollm2_gguf
 
+        _deepspeed_on_cpu()
         with cli_errors():
             source = smollm2_gguf() if src == "smollm2" else Path(src)
             model = import_model(
