@@ -49,6 +49,7 @@ def register(app: typer.Typer) -> None:
             if not cfg.inference.server_urls:
                 pf.check_model(cfg.learner.model)
                 pf.check_server_ports(cfg)
+            pf.check_run_identity(cfg)  # its episodes join the run's groups
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
         async def main() -> None:

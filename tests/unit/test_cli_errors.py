@@ -221,6 +221,10 @@ def test_a_run_name_taken_by_another_config(model_dir: Path, tmp_path: Path) -> 
         "run 'exp' already exists", "collector.group_size = 4 (this config: 8)", "new --name",
     )  # fmt: skip
     assert "--verbose" not in line
+    _one_line_error(
+        _run("gateway", "--port", "0", *common, "--collector.group_size", "8"),
+        "run 'exp' already exists", "new --name",
+    )  # fmt: skip
 
 
 def test_verbose_adds_the_traceback() -> None:
