@@ -12,7 +12,7 @@ help:  ## list targets
 setup:  ## install system packages (as root), the venv, the sandbox image and the tiny model
 	bash scripts/setup.sh
 
-demo: setup  ## run the whole pipeline on the embedded defaults
+demo: setup  ## run the whole pipeline on configs/demo.toml (the tiny model)
 	$(VENV)/bin/sandpiper demo
 
 # Tiers (docs/testing.md): the test's folder and fixtures mark it (tests/conftest.py). Both

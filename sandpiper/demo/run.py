@@ -1,4 +1,4 @@
-"""The end-to-end demo: a tiny agent learns to use its sandbox, on CPU, in about 15 minutes.
+"""The end-to-end demo: a tiny agent learns to use its sandbox, on CPU, in minutes (README: what `make demo` shows).
 
 ``sandpiper demo`` (``make demo``) runs, with real parts throughout:
 
