@@ -40,7 +40,7 @@ import numpy as np
 from sandpiper.collector.episode.parsers import SUBMIT_SENTINEL
 from sandpiper.collector.inference.base import Generation, SamplingParams
 from sandpiper.config import RunConfig, write_resolved
-from sandpiper.demo.tasks import INSTRUCTION, demonstration, write_demo_tasks
+from sandpiper.demo.tasks import COMPUTE_COMMAND, INSTRUCTION, demonstration, write_demo_tasks
 from sandpiper.errors import SandpiperError
 
 
@@ -59,8 +59,13 @@ class Demonstrator:
         compute_fraction: float = 1.0,
         seed: int = 0,
         action_format: str = "hermes",
+        instruction: str = INSTRUCTION,
+        compute_command: str = COMPUTE_COMMAND,
     ) -> None:
         self.tokenizer = tokenizer
+        self.instruction, self.compute_command = instruction, compute_command
+        """The task family it knows (another family, e.g. the peer rows of the same sum, gives
+        its own instruction and the command that solves it there)."""
         self.action_format = action_format
         """``hermes``: tool-call JSON; ``bash_block``: one fenced bash block per turn."""
         self.eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
@@ -75,15 +80,17 @@ class Demonstrator:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        if INSTRUCTION not in text:
-            raise SandpiperError("the demonstrator only knows the demo tasks")
+        if self.instruction not in text:
+            raise SandpiperError(
+                "the demonstrator only knows its task family (the demo tasks by default)"
+            )
         turn = text.count("<returncode>" if self.bash_block else "<tool_response>")
         compute = True  # only the first turn's call depends on it
         if turn == 0:
             k, f = self.episodes, self.compute_fraction
             self.episodes += 1
             compute = math.floor((k + 1) * f) > math.floor(k * f)
-        calls = demonstration(compute=compute, rng=self.rng)
+        calls = demonstration(compute=compute, rng=self.rng, compute_command=self.compute_command)
         name, arguments = calls[min(turn, len(calls) - 1)]
         ids = [*self.tokenizer.encode(self._action(name, arguments)), self.eos_id]
         n = len(ids)

@@ -87,10 +87,12 @@ def write_demo_tasks(out_dir: str | Path, n_tasks: int = 60, *, seed: int = 0) -
     return root
 
 
-def demonstration(*, compute: bool, rng: random.Random) -> list[tuple[str, dict[str, str]]]:
+def demonstration(
+    *, compute: bool, rng: random.Random, compute_command: str = COMPUTE_COMMAND
+) -> list[tuple[str, dict[str, str]]]:
     """The tool calls of one demonstration, turn by turn: (tool name, arguments).
 
-    ``compute`` runs :data:`COMPUTE_COMMAND` (reward 1); otherwise the answer is a guess
+    ``compute`` runs ``compute_command`` (reward 1); otherwise the answer is a guess
     (reward 0 but for a one-in-millions hit)."""
-    command = COMPUTE_COMMAND if compute else guess_command(rng)
+    command = compute_command if compute else guess_command(rng)
     return [("execute_bash", {"command": command}), ("submit", {})]

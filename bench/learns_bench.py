@@ -1,0 +1,355 @@
+"""Does a real model learn a real task family on CPU? SmolLM2-135M on the peer task set.
+
+    python bench/learns_bench.py [--minutes 30] [--train-tasks 64] [--heldout-tasks 128]
+                                 [--runs-dir runs/learns] [--json]
+
+1. The peer suite (bench/race_setup.py): LLM-in-Sandbox-RL rows of the "sum the numbers in
+   numbers.txt" family, imported unchanged with ``sandpiper tasks import``; the held-out
+   tasks come from another seed and other ids (checked: no id and no answer shared).
+2. A warm start: SmolLM2-135M, SFT (``sandpiper learn --algo sft``) on the demo's scripted
+   weak teacher (bash blocks, computing in 30 % of its episodes) on the TRAIN tasks only.
+   SmolLM2 makes no tool calls of its own, so without it there is no reward signal.
+   Cached in ``<runs-dir>/start``: a rerun skips it.
+3. Held-out pass@1 BEFORE (the warm start): the race's eval harness (bench/race_eval.py,
+   ``sandpiper collect --eval``), one sample per held-out task.
+4. ``sandpiper collect`` + ``sandpiper learn`` (GRPO, the demo's launcher) for ``--minutes``
+   on the train tasks.
+5. Held-out pass@1 AFTER, on the newest checkpoint, same harness and sampling.
+6. n, passes, pass@1 with a 95 % Wilson interval before and after, the difference with a
+   95 % interval (Newcombe's hybrid score method) and McNemar's discordant counts (the same
+   tasks are scored twice) with the exact two-sided p-value.
+
+Each finished phase is recorded in ``<runs-dir>/phases.json``; a rerun with the same
+arguments resumes after the last finished one (delete the folder to start over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from race_setup import (  # noqa: E402  (bench scripts import their siblings)
+    MODELS,
+    RaceSettings,
+    model_hash,
+    peer_rows,
+    prepare_suite,
+    task_ids,
+)
+
+Z95 = 1.959963984540054
+"""The standard normal quantile of 0.975: two-sided 95 % intervals."""
+
+PEER_COMPUTE_COMMAND = (
+    "python3 -c 'import sys; print(sum(map(int, sys.stdin)))' < documents/numbers.txt > answer.txt"
+)
+"""What solves a peer row in the sandbox: the imported file lands in /workspace/documents/
+(the working directory is /workspace), the answer goes to /workspace/answer.txt."""
+
+SEED = 0
+
+
+# --- intervals (pure) --------------------------------------------------------------------
+
+
+def wilson(passes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for ``passes`` of ``n`` (Newcombe 1998, method 3)."""
+    if n <= 0 or not 0 <= passes <= n:
+        raise ValueError(f"need 0 <= passes <= n and n > 0, got {passes}/{n}")
+    p = passes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def newcombe_difference(
+    passes_a: int, n_a: int, passes_b: int, n_b: int, z: float = Z95
+) -> tuple[float, float, float]:
+    """(p_a - p_b, lower, upper): Newcombe's hybrid score interval (1998, method 10).
+
+    Built from the two Wilson intervals; it treats the samples as independent, which for
+    paired samples (the same tasks before and after) that agree more than chance makes it
+    wider, not narrower, than a paired interval."""
+    p_a, p_b = passes_a / n_a, passes_b / n_b
+    lo_a, hi_a = wilson(passes_a, n_a, z)
+    lo_b, hi_b = wilson(passes_b, n_b, z)
+    diff = p_a - p_b
+    lower = diff - math.sqrt((p_a - lo_a) ** 2 + (hi_b - p_b) ** 2)
+    upper = diff + math.sqrt((hi_a - p_a) ** 2 + (p_b - lo_b) ** 2)
+    return diff, lower, upper
+
+
+def mcnemar_exact_p(only_a: int, only_b: int) -> float:
+    """Two-sided exact McNemar p-value from the discordant counts (binomial, p = 1/2)."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    k = min(only_a, only_b)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def compare(before: dict[str, bool], after: dict[str, bool]) -> dict[str, Any]:
+    """Pass@1 before and after (task id -> passed), their intervals and the paired counts."""
+
+    def one(results: dict[str, bool]) -> dict[str, Any]:
+        n, k = len(results), sum(results.values())
+        lo, hi = wilson(k, n)
+        return {"n": n, "passes": k, "pass_at_1": k / n, "wilson95": [lo, hi]}
+
+    diff, lo, hi = newcombe_difference(
+        sum(after.values()), len(after), sum(before.values()), len(before)
+    )
+    paired = sorted(set(before) & set(after))
+    only_after = sum(after[t] and not before[t] for t in paired)
+    only_before = sum(before[t] and not after[t] for t in paired)
+    return {
+        "before": one(before),
+        "after": one(after),
+        "difference": {"after_minus_before": diff, "newcombe95": [lo, hi]},
+        "mcnemar": {
+            "paired_tasks": len(paired),
+            "pass_after_only": only_after,
+            "pass_before_only": only_before,
+            "exact_p_two_sided": mcnemar_exact_p(only_after, only_before),
+        },
+    }
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+def base_config(runs_dir: Path, name: str, tasks: Path, model: Path) -> Any:
+    """``configs/demo-smollm2.toml`` (bash blocks) on ``tasks``, its store in its run folder."""
+    from sandpiper.config import load_config
+
+    cfg = load_config(REPO / "configs" / "demo-smollm2.toml",
+                      ["--runs_dir", str(runs_dir), "--name", name,
+                       "--store.url", f"duckdb:///{runs_dir}/{name}/store.duckdb",
+                       "--tracking.enabled", "false"])  # fmt: skip
+    cfg.collector.tasks, cfg.collector.validation_fraction = str(tasks), 0.0
+    cfg.learner.model = str(model)
+    return cfg
+
+
+def check_disjoint(train: Path, heldout: Path) -> None:
+    """Refuse a suite where a held-out task shares an id or an answer with a train task."""
+    from sandpiper.collector.tasks.loading import load_tasks
+
+    train_ids, held_ids = set(task_ids(train)), set(task_ids(heldout))
+    assert not train_ids & held_ids, f"train and held-out share ids: {train_ids & held_ids}"
+
+    def answers(source: Path) -> set[str]:
+        return {str(getattr(t.reference, "answer", None)) for t in load_tasks(source)}
+
+    shared = answers(train) & answers(heldout)
+    assert not shared, f"train and held-out share answers: {sorted(shared)[:5]}"
+
+
+def warm_start(root: Path, train: Path, log: Any) -> tuple[Path, dict[str, Any]]:
+    """SFT on the scripted teacher's episodes on the train tasks; cached in ``root/start``."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from sandpiper.collector.daemon.launch import collect
+    from sandpiper.demo import run as demo
+    from sandpiper.demo.tasks import COMPUTE_FRACTION
+
+    start = root / "start"
+    cfg = base_config(root, "warmstart", train, MODELS["smollm2"])
+    if not (start / "config.json").is_file():
+        demo.ensure_model(str(MODELS["smollm2"]))
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
+        n = len(task_ids(train))
+        cfg.collector.group_size, cfg.collector.max_groups = 1, n
+        cfg.collector.max_unconsumed_groups = n
+        cfg.learner.algo, cfg.learner.checkpoint_retention = "sft", True
+        for key, value in demo.DEMO_MODELS["smollm2"].sft_learner.items():
+            setattr(cfg.learner, key, value)
+        teacher = demo.Demonstrator(
+            AutoTokenizer.from_pretrained(cfg.learner.model),
+            compute_fraction=COMPUTE_FRACTION,
+            seed=SEED,
+            action_format="bash_block",
+            instruction=peer_rows("x", 1, 0)[0]["problem_statement"],
+            compute_command=PEER_COMPUTE_COMMAND,
+        )
+        log(f"warm start: {n} teacher episodes (computing in {COMPUTE_FRACTION:.0%}), then SFT")
+        asyncio.run(
+            collect(cfg.for_collector(), stop=asyncio.Event(), live_status=False, client=teacher)
+        )
+        checkpoint = demo.run_sft(cfg, root / "warmstart.log")
+        shutil.copytree(checkpoint, start, ignore=shutil.ignore_patterns("train_state"))
+    from sandpiper.analysis import api
+
+    demos = api.episodes(cfg.store.url, run_id=cfg.name)
+    rewards = demos["reward"].to_list()
+    info = {
+        "checkpoint": str(start),
+        "sha256_16": model_hash(start),
+        "teacher_episodes": demos.height,
+        "teacher_passes": sum(r is not None and r >= 1.0 for r in rewards),
+        "teacher_compute_fraction": COMPUTE_FRACTION,
+    }
+    return start, info
+
+
+def evaluate(cfg: Any, checkpoint: Path, heldout: Path, out: Path, label: str) -> dict[str, Any]:
+    """Held-out pass@1 of one checkpoint: a fresh eval harness, one sample per task."""
+    from race_eval import Checkpoint, Harness
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    t0 = time.time()
+    with Harness(cfg, start=checkpoint, heldout=heldout, out=out, samples=1) as harness:
+        result = harness.evaluate(Checkpoint(label, str(checkpoint), 0.0, label))
+    from sandpiper.analysis import api
+
+    frame = api.episodes(f"duckdb:///{out}/eval.duckdb", run_id=result["run_id"])
+    per_task: dict[str, bool] = {}
+    for row in frame.iter_rows(named=True):
+        if row["valid"]:
+            per_task[row["task_id"]] = bool(row["reward"] is not None and row["reward"] >= 1.0)
+    return {**result, "wall_s": time.time() - t0, "per_task": per_task}
+
+
+def train(cfg: Any, minutes: float) -> dict[str, Any]:
+    """``sandpiper collect`` + ``sandpiper learn`` (GRPO) for ``minutes``; what it made."""
+    from sandpiper.analysis import api
+    from sandpiper.demo import run as demo
+    from sandpiper.store import Store
+
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    cfg.learner.max_steps = 0  # the wall-clock budget ends the run
+    t0 = time.time()
+    demo.run_grpo(cfg, minutes=minutes, on_tick=lambda: None)
+    wall_s = time.time() - t0
+    latest = Store(cfg.store.url).latest_policy(cfg.name)
+    episodes = api.episodes(cfg.store.url, run_id=cfg.name)
+    by_version = demo.reward_table(cfg.store.url, cfg.name)
+    return {
+        "wall_s": wall_s,
+        "versions_trained": latest.version if latest else 0,
+        "newest_checkpoint": latest.checkpoint_uri if latest and latest.version else None,
+        "episodes": episodes.height,
+        "train_reward_by_version": by_version.to_dicts(),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="GRPO wall-clock budget")
+    parser.add_argument("--train-tasks", type=int, default=64)
+    parser.add_argument("--heldout-tasks", type=int, default=128, help="one sample each")
+    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "learns")
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    root = args.runs_dir.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    state_path = root / "phases.json"
+    state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    wanted = {"minutes": args.minutes, "train_tasks": args.train_tasks,
+              "heldout_tasks": args.heldout_tasks}  # fmt: skip
+    if state.get("args", wanted) != wanted:
+        raise SystemExit(f"{root} holds a run with {state['args']}; give another --runs-dir")
+    state["args"] = wanted
+    t_start = time.time()
+
+    def log(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    def save() -> None:
+        state_path.write_text(json.dumps(state, indent=2))
+
+    settings = RaceSettings(model="smollm2", suite="peer", minutes=args.minutes,
+                            train_tasks=args.train_tasks, heldout_tasks=args.heldout_tasks,
+                            seed=SEED)  # fmt: skip
+    train_dir, heldout = prepare_suite(settings, root / "tasks")
+    check_disjoint(train_dir, heldout)
+    log(f"peer suite: {len(task_ids(train_dir))} train, {len(task_ids(heldout))} held-out")
+    if "warm_start" not in state:
+        t0 = time.time()
+        start, info = warm_start(root, train_dir, log)
+        state["warm_start"] = {**info, "wall_s": time.time() - t0}
+        save()
+    start = Path(state["warm_start"]["checkpoint"])
+    log(f"warm start {start} sha256 {state['warm_start']['sha256_16']} "
+        f"(teacher passes {state['warm_start']['teacher_passes']}/"
+        f"{state['warm_start']['teacher_episodes']})")  # fmt: skip
+    grpo_cfg = base_config(root, "grpo", train_dir, start)
+    if "before" not in state:
+        log(f"held-out pass@1 before: {args.heldout_tasks} tasks")
+        state["before"] = evaluate(grpo_cfg, start, heldout, root / "eval-before", "before")
+        save()
+    log(f"before: {sum(state['before']['per_task'].values())}/{len(state['before']['per_task'])}")
+    if "train" not in state:
+        log(f"GRPO for {args.minutes:g} min on the train tasks")
+        state["train"] = train(grpo_cfg, args.minutes)
+        save()
+    newest = state["train"]["newest_checkpoint"]
+    log(f"trained {state['train']['versions_trained']} versions, "
+        f"{state['train']['episodes']} episodes; newest {newest}")  # fmt: skip
+    if newest is None:
+        raise SystemExit("GRPO made no new version: nothing to evaluate after")
+    if "after" not in state:
+        state["after"] = evaluate(grpo_cfg, Path(newest), heldout, root / "eval-after", "after")
+        save()
+    result = {
+        "model": "SmolLM2-135M-Instruct (runs/smollm2-135m)",
+        "suite": "peer (LLM-in-Sandbox-RL rows, sum of numbers.txt)",
+        "action_format": grpo_cfg.collector.tool_parser,
+        "sampling": {
+            "temperature": grpo_cfg.collector.temperature,
+            "top_p": grpo_cfg.collector.top_p,
+            "samples_per_task": 1,
+        },
+        **wanted,
+        "warm_start": state["warm_start"],
+        "train": state["train"],
+        **compare(state["before"]["per_task"], state["after"]["per_task"]),
+        "eval_wall_s": {"before": state["before"]["wall_s"], "after": state["after"]["wall_s"]},
+        "wall_s_this_invocation": time.time() - t_start,
+    }
+    print_result(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def print_result(r: dict[str, Any]) -> None:
+    def line(name: str, one: dict[str, Any]) -> str:
+        lo, hi = one["wilson95"]
+        return (f"{name:<7} pass@1 {one['pass_at_1']:.3f} ({one['passes']}/{one['n']}), "
+                f"95% Wilson [{lo:.3f}, {hi:.3f}]")  # fmt: skip
+
+    d, m = r["difference"], r["mcnemar"]
+    print(line("before", r["before"]))
+    print(line("after", r["after"]))
+    print(f"after - before {d['after_minus_before']:+.3f}, 95% Newcombe "
+          f"[{d['newcombe95'][0]:+.3f}, {d['newcombe95'][1]:+.3f}]; McNemar: "
+          f"{m['pass_after_only']} pass only after, {m['pass_before_only']} only before "
+          f"(exact p = {m['exact_p_two_sided']:.3g})")  # fmt: skip
+    t = r["train"]
+    print(f"GRPO: {t['versions_trained']} versions, {t['episodes']} episodes, "
+          f"{t['wall_s']:.0f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
