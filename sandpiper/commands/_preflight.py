@@ -102,8 +102,13 @@ def check_tasks(source: str, field: str = "collector.tasks", hint: str = TASKS_H
         raise SetupError(f"{field} = {source!r} is empty: no tasks to run; {hint}")
 
 
-def check_port_free(port: int, *, host: str = "127.0.0.1", field: str) -> None:
-    """Nothing listens on ``host:port`` (0 = any free port: always fine)."""
+def check_port_free(
+    port: int, *, host: str = "127.0.0.1", field: str, zero_means_any: bool = True
+) -> None:
+    """Nothing listens on ``host:port`` (0 = any free port: always fine).
+
+    ``zero_means_any`` is False for a field that refuses 0 (``inference.base_port``): the
+    message then does not offer 0, which the config would refuse next."""
     if port == 0:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -113,7 +118,8 @@ def check_port_free(port: int, *, host: str = "127.0.0.1", field: str) -> None:
         except OSError as e:
             raise SetupError(
                 f"{field} = {port}: port {port} on {host} is in use ({e.strerror}): stop what "
-                f"holds it (`ss -ltnp 'sport = :{port}'`) or pick another (0 = any free port)"
+                f"holds it (`ss -ltnp 'sport = :{port}'`) or pick another"
+                + (" (0 = any free port)" if zero_means_any else "")
             ) from None
 
 
@@ -139,7 +145,9 @@ def check_server_ports(cfg: RunConfig) -> None:
     inf = cfg.inference
     if not inf.server_urls:
         for i in range(inf.num_servers):
-            check_port_free(inf.base_port + i, field=f"inference.base_port + {i}")
+            check_port_free(
+                inf.base_port + i, field=f"inference.base_port + {i}", zero_means_any=False
+            )
     check_port_free(cfg.collector.gateway_port, field="collector.gateway_port")
 
 

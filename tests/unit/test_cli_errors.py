@@ -146,12 +146,13 @@ def test_a_port_in_use(model_dir: Path, tmp_path: Path) -> None:
             _run("gateway", "--port", str(port), "--learner.model", str(model_dir)),
             f"port {port} on 127.0.0.1 is in use", "pick another",
         )  # fmt: skip
-        _one_line_error(
+        line = _one_line_error(
             _run("collect", "--collector.tasks", str(REPO / "tasks/demo.jsonl"),
                  "--learner.model", str(model_dir), "--inference.base_port", str(port),
                  "--runs_dir", str(tmp_path)),
             "inference.base_port + 0 = ", "is in use",
         )  # fmt: skip
+        assert "0 = any free port" not in line  # base_port refuses 0: do not offer it
 
 
 def test_podman_or_the_sandbox_image_missing(model_dir: Path, tmp_path: Path) -> None:
