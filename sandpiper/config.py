@@ -190,7 +190,10 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(args):
-                raise ConfigError(f"override --{key} has no value")
+                raise ConfigError(
+                    f"override --{key} has no value: write --part.field VALUE (`sandpiper config "
+                    "show` lists the fields); the command's own options are in its --help"
+                )
             value = args[i + 1]
             i += 1
         i += 1
@@ -228,7 +231,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
+            raise ConfigError(
+                f"config file not found: {path}; give the path of a run's TOML file (configs/ "
+                "holds the shipped ones: local.toml, demo.toml, gpu.toml)"
+            ) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     given = parse_overrides(overrides or [])

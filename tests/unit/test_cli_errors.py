@@ -228,6 +228,13 @@ def test_a_run_name_taken_by_another_config(model_dir: Path, tmp_path: Path) -> 
     )  # fmt: skip
 
 
+def test_a_config_file_missing_or_an_override_without_value_says_what_to_write() -> None:
+    _one_line_error(_run("config", "show", "-c", "configs/nope.toml"),
+                    "config file not found: configs/nope.toml", "configs/ holds the shipped ones")  # fmt: skip
+    _one_line_error(_run("sandbox", "check", "--nope"),
+                    "override --nope has no value", "--part.field VALUE", "its --help")  # fmt: skip
+
+
 def test_verbose_adds_the_traceback() -> None:
     for args in (["--verbose", "learn", "--learner.model", "/nonexistent"],
                  ["learn", "--learner.model", "/nonexistent", "--verbose"]):  # fmt: skip
