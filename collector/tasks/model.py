@@ -151,7 +151,10 @@ def _jsonl_rows(path: Path, lines: Iterable[str]) -> Iterator[tuple[str, Any]]:
         try:
             yield f"{path}:{lineno}", json.loads(line)
         except json.JSONDecodeError as e:
-            raise TaskError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            raise TaskError(
+                f"{path}:{lineno}: invalid JSON at column {e.colno} ({e.msg}); a JSONL file holds "
+                "one JSON object a line"
+            ) from None
 
 
 def _existing(base: Path | None, name: str) -> Path | None:

@@ -127,6 +127,11 @@ def test_a_task_source_that_is_missing_or_empty(tmp_path: Path) -> None:
             _run("collect", "--collector.tasks", str(tmp_path / source)), "is empty: no tasks"
         )
         _one_line_error(_run("tasks", "list", str(tmp_path / source)), "no tasks")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a\tb}\n')
+    _one_line_error(
+        _run("tasks", "list", str(tmp_path / "broken.jsonl")),
+        "broken.jsonl:1: invalid JSON at column", "one JSON object a line",
+    )  # fmt: skip
     for args in (["tasks", "import", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
                  ["tasks", "list", str(tmp_path / "empty.jsonl")]):  # fmt: skip
         _one_line_error(_run(*args), "SRC = ", "docs/tasks.md lists the formats")
