@@ -43,6 +43,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from race_setup import (  # noqa: E402  (bench scripts import their siblings)
     CANONICAL_TOOL_LINE,
+    PEER_COMPUTE_COMMAND,
+    PEER_PROBLEM,
     RaceSettings,
     canonical_tool_template,
     check_fair,
@@ -89,10 +91,9 @@ def make_start(settings: RaceSettings, root: Path, train: Path, start: Path) -> 
         # sides get the Hermes tool template the tiny model ships (sandpiper/data).
         shutil.copy(REPO / "sandpiper" / "data" / "chat_template.jinja", start)
         return
-    if settings.suite != "sum":
-        # The scripted teacher knows only the demo's instruction: warm-start on the sum
-        # family's demo tasks (not the peer rows), then race on the peer rows.
-        train = prepare_suite(replace(settings, suite="sum"), root / "warmstart-tasks")[0]
+    # the peer rows are demonstrated as they are imported (their instruction, the file in
+    # /workspace/documents/): a start made on the demo's sum tasks never solved one (held-out
+    # reward 0 on both sides of a 5-minute race; the tiny model does not transfer)
     checkpoint = sft_warm_start(settings, root, train)
     shutil.copytree(checkpoint, start, ignore=shutil.ignore_patterns("train_state"))
 
@@ -111,7 +112,11 @@ def sft_warm_start(settings: RaceSettings, root: Path, train: Path) -> str:
     sft.learner.algo, sft.learner.checkpoint_retention = "sft", True
     for key, value in demo.SFT_LEARNER.items():
         setattr(sft.learner, key, value)
-    demo.collect_demonstrations(sft, compute_fraction=COMPUTE_FRACTION)
+    if settings.suite == "peer":
+        demo.collect_demonstrations(sft, compute_fraction=COMPUTE_FRACTION,
+                                    instruction=PEER_PROBLEM, compute_command=PEER_COMPUTE_COMMAND)  # fmt: skip
+    else:
+        demo.collect_demonstrations(sft, compute_fraction=COMPUTE_FRACTION)
     return demo.run_sft(sft, root / "warmstart.log")
 
 

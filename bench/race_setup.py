@@ -160,6 +160,16 @@ def write_sum_tasks(out_dir: Path, prefix: str, n_tasks: int, seed: int) -> list
     return ids
 
 
+PEER_PROBLEM = "What is the sum of the numbers in numbers.txt? Compute it in the sandbox."
+"""The ``problem_statement`` of every peer row."""
+
+PEER_COMPUTE_COMMAND = (
+    "python3 -c 'import sys; print(sum(map(int, sys.stdin)))' < documents/numbers.txt > answer.txt"
+)
+"""What solves a peer row in the sandbox: the imported file lands in /workspace/documents/
+(the working directory is /workspace), the answer goes to /workspace/answer.txt."""
+
+
 def peer_rows(prefix: str, n_tasks: int, seed: int) -> list[dict[str, Any]]:
     """LLM-in-Sandbox-RL rows (the peer's schema: ``id``, ``problem_statement``,
     ``ground_truth``, ``domain``, ``input_files`` as a JSON string) of the sum family."""
@@ -170,8 +180,7 @@ def peer_rows(prefix: str, n_tasks: int, seed: int) -> list[dict[str, Any]]:
         rows.append(
             {
                 "id": f"{prefix}-{i:04d}",
-                "problem_statement": "What is the sum of the numbers in numbers.txt? "
-                "Compute it in the sandbox.",
+                "problem_statement": PEER_PROBLEM,
                 "ground_truth": str(sum(numbers)),
                 "domain": "math",
                 "input_files": json.dumps({"numbers.txt": "\n".join(map(str, numbers)) + "\n"}),

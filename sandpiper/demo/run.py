@@ -163,8 +163,15 @@ def demo_configs(
     return sft, grpo
 
 
-def collect_demonstrations(config: RunConfig, *, compute_fraction: float) -> None:
-    """Run the real collector with the scripted demonstrator until every task has one."""
+def collect_demonstrations(
+    config: RunConfig,
+    *,
+    compute_fraction: float,
+    instruction: str = INSTRUCTION,
+    compute_command: str = COMPUTE_COMMAND,
+) -> None:
+    """Run the real collector with the scripted demonstrator until every task has one
+    (``instruction`` / ``compute_command``: the task family, see :class:`Demonstrator`)."""
     from transformers import AutoTokenizer
 
     from sandpiper.collector.daemon.launch import collect
@@ -175,6 +182,8 @@ def collect_demonstrations(config: RunConfig, *, compute_fraction: float) -> Non
         compute_fraction=compute_fraction,
         seed=config.seed,
         action_format=config.collector.tool_parser,
+        instruction=instruction,
+        compute_command=compute_command,
     )
     asyncio.run(
         collect(config.for_collector(), stop=asyncio.Event(), live_status=False, client=teacher)
