@@ -227,12 +227,15 @@ def evaluate(cfg: Any, checkpoint: Path, heldout: Path, out: Path, label: str) -
 
 def train(cfg: Any, minutes: float) -> dict[str, Any]:
     """``sandpiper collect`` + ``sandpiper learn`` (GRPO) for ``minutes``; what it made."""
+    from race_eval import _free_port
+
     from sandpiper.analysis import api
     from sandpiper.demo import run as demo
     from sandpiper.store import Store
 
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     cfg.learner.max_steps = 0  # the wall-clock budget ends the run
+    cfg.inference.base_port = _free_port()  # other runs on this machine may hold 8100
     t0 = time.time()
     demo.run_grpo(cfg, minutes=minutes, on_tick=lambda: None)
     wall_s = time.time() - t0
