@@ -1,7 +1,7 @@
 """Does a real model learn a real task family on CPU? SmolLM2-135M on the peer task set.
 
     python bench/learns_bench.py [--minutes 30] [--train-tasks 64] [--heldout-tasks 128]
-                                 [--runs-dir runs/learns] [--json]
+                                 [--runs-dir runs/learns] [--out FILE] [--json]
 
 1. The peer suite (bench/race_setup.py): LLM-in-Sandbox-RL rows of the "sum the numbers in
    numbers.txt" family, imported unchanged with ``sandpiper tasks import``; the held-out
@@ -257,7 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-tasks", type=int, default=64)
     parser.add_argument("--heldout-tasks", type=int, default=128, help="one sample each")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "learns")
-    parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON, last")
+    parser.add_argument("--out", type=Path, help="also write the result (JSON) to this file")
     return parser.parse_args(argv)
 
 
@@ -330,9 +331,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_s_this_invocation": time.time() - t_start,
     }
     print_result(result)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result))
     return result
 
 
