@@ -40,21 +40,16 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from race_setup import (  # noqa: E402  (bench scripts import their siblings)
     MODELS,
+    PEER_COMPUTE_COMMAND,
+    PEER_PROBLEM,
     RaceSettings,
     model_hash,
-    peer_rows,
     prepare_suite,
     task_ids,
 )
 
 Z95 = 1.959963984540054
 """The standard normal quantile of 0.975: two-sided 95 % intervals."""
-
-PEER_COMPUTE_COMMAND = (
-    "python3 -c 'import sys; print(sum(map(int, sys.stdin)))' < documents/numbers.txt > answer.txt"
-)
-"""What solves a peer row in the sandbox: the imported file lands in /workspace/documents/
-(the working directory is /workspace), the answer goes to /workspace/answer.txt."""
 
 SEED = 0
 
@@ -183,7 +178,7 @@ def warm_start(root: Path, train: Path, log: Any) -> tuple[Path, dict[str, Any]]
             compute_fraction=COMPUTE_FRACTION,
             seed=SEED,
             action_format="bash_block",
-            instruction=peer_rows("x", 1, 0)[0]["problem_statement"],
+            instruction=PEER_PROBLEM,
             compute_command=PEER_COMPUTE_COMMAND,
         )
         log(f"warm start: {n} teacher episodes (computing in {COMPUTE_FRACTION:.0%}), then SFT")

@@ -112,11 +112,9 @@ def sft_warm_start(settings: RaceSettings, root: Path, train: Path) -> str:
     sft.learner.algo, sft.learner.checkpoint_retention = "sft", True
     for key, value in demo.SFT_LEARNER.items():
         setattr(sft.learner, key, value)
-    if settings.suite == "peer":
-        demo.collect_demonstrations(sft, compute_fraction=COMPUTE_FRACTION,
-                                    instruction=PEER_PROBLEM, compute_command=PEER_COMPUTE_COMMAND)  # fmt: skip
-    else:
-        demo.collect_demonstrations(sft, compute_fraction=COMPUTE_FRACTION)
+    peer = {"instruction": PEER_PROBLEM, "compute_command": PEER_COMPUTE_COMMAND}
+    family = peer if settings.suite == "peer" else {}
+    demo.collect_demonstrations(sft, compute_fraction=COMPUTE_FRACTION, **family)
     return demo.run_sft(sft, root / "warmstart.log")
 
 
