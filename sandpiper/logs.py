@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TextIO
 
 VERBOSE_ENV = "SANDPIPER_VERBOSE"
@@ -120,3 +121,14 @@ def _is_tty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def file_tail(path: str | Path | None, n_bytes: int = 4000) -> str:
+    """The last ``n_bytes`` of a log file as text, for an error message ("(no log)" when
+    there is none); read from the end, so a large log costs nothing more."""
+    try:
+        with open(path or "", "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - n_bytes))
+            return f.read().decode("utf-8", errors="replace").strip() or "(empty)"
+    except OSError:
+        return "(no log)"

@@ -52,6 +52,7 @@ from sandpiper.collector.sandbox.base import ToolSandbox
 from sandpiper.collector.tasks.model import Task
 from sandpiper.config import SamplingLimits
 from sandpiper.errors import SandboxError, SandpiperError, TaskError
+from sandpiper.logs import file_tail
 from sandpiper.store.records import INFRA_STOPS, EpisodeRecord, StopReason, ToolErrorKind, utcnow
 
 DEFAULT_AGENT_TIMEOUT_S = 600.0
@@ -129,7 +130,7 @@ async def run_external_episode(
         if stop is None:
             stop, error = _stop_reason(returncode, len(session.calls), session, timeout_s)
             if error is not None:
-                error = f"{error}; agent log tail: {_tail(log_path)}"
+                error = f"{error}; agent log tail: {file_tail(log_path, _LOG_TAIL_BYTES)}"
     grading: dict[str, Any] = {}
     if stop not in INFRA_STOPS:
         grading = await _grade(toolbox)
@@ -242,11 +243,3 @@ async def _grade(toolbox: ToolRunner) -> dict[str, Any]:
         "test_reward": result.test_reward,
         "test_details": dict(result.test_details),
     }
-
-
-def _tail(path: Path) -> str:
-    try:
-        data = path.read_bytes()[-_LOG_TAIL_BYTES:]
-    except OSError:
-        return "(no log)"
-    return data.decode("utf-8", errors="replace").strip() or "(empty)"

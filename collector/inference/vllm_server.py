@@ -46,6 +46,7 @@ import httpx
 from sandpiper.collector.inference import lifeline
 from sandpiper.config import InferenceConfig
 from sandpiper.errors import InferenceError
+from sandpiper.logs import file_tail
 
 log = logging.getLogger(__name__)
 
@@ -329,11 +330,7 @@ class VLLMServer:
         log.info("stopped vLLM pid %d on %s", proc.pid, self.url)
 
     def log_tail(self, n_bytes: int = LOG_TAIL_BYTES) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        with open(self.log_path, "rb") as f:
-            f.seek(max(0, self.log_path.stat().st_size - n_bytes))
-            return f.read().decode(errors="replace")
+        return file_tail(self.log_path, n_bytes)
 
     def __enter__(self) -> VLLMServer:
         self.start()

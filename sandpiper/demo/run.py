@@ -42,6 +42,7 @@ from sandpiper.collector.inference.base import Generation, SamplingParams
 from sandpiper.config import RunConfig, write_resolved
 from sandpiper.demo.tasks import COMPUTE_COMMAND, INSTRUCTION, demonstration, write_demo_tasks
 from sandpiper.errors import SandpiperError
+from sandpiper.logs import file_tail
 
 
 class Demonstrator:
@@ -267,15 +268,8 @@ def run_grpo(config: RunConfig, *, minutes: float, on_tick: Any) -> None:
         log_path = logs / "learner.log"
         raise SandpiperError(
             f"the learner failed (exit {procs['learner'].returncode}); see {log_path}; "
-            f"its last lines:\n{_tail(log_path)}"
+            f"its last lines:\n{file_tail(log_path, 2000)}"
         )
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
