@@ -78,19 +78,25 @@ def make_cgroup_parent(name: str, uid_base: int | None) -> None:
 
 def remove_cgroup_parent(name: str) -> bool:
     """Remove the (empty) cgroup folders of :func:`cgroup_parent` in every controller;
-    True while some are left (a cgroup with processes cannot be removed)."""
+    True while some are left (a cgroup with processes cannot be removed). Safe against
+    another collector on this host removing the same folders at the same time (two pool
+    starts sweep together; a folder can go between listing and removal)."""
     left = False
     if not PODMAN_V1_PARENT.is_dir():
         return False
     for controller in CGROUP_V1_ROOT.iterdir():
         top = controller / name
-        if not top.is_dir():
-            continue
-        for sub in sorted((p for p in top.rglob("*") if p.is_dir()), reverse=True):
+        try:
+            subs = sorted((p for p in top.rglob("*") if p.is_dir()), reverse=True)
+        except FileNotFoundError:
+            continue  # not there, or removed meanwhile by another collector's sweep
+        for sub in subs:
             with contextlib.suppress(OSError):
                 sub.rmdir()
         try:
             top.rmdir()
+        except FileNotFoundError:
+            pass  # gone: another collector on this host removed it first
         except OSError:
             left = True
     return left
@@ -153,8 +159,11 @@ def sweep(known: set[str], *, min_age_s: float) -> int:
     old = time.time() - min_age_s
     for name in sorted(names_on_host() - known):
         path = socket_dir(name)
-        if path.is_dir() and path.stat().st_mtime >= old:
-            continue  # being made (its socket folder comes first, then its cgroup's)
+        try:
+            if path.stat().st_mtime >= old:
+                continue  # being made (its socket folder comes first, then its cgroup's)
+        except FileNotFoundError:
+            pass  # no socket folder (or another collector's sweep removed it just now)
         left = remove_cgroup_parent(name)
         shutil.rmtree(path, ignore_errors=True)
         removed += not left

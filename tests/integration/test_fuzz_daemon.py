@@ -42,6 +42,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120
 FUZZ_TURNS = int(os.environ.get("SANDPIPER_FUZZ_TURNS", 10_000))
 GROUP_SIZE = 2
 RUN = "fuzz"
+"""Run-name prefix; each backend's run is ``fuzz-<backend>`` (the two may run at once on two
+workers, and each checks that no container of its own run is left)."""
 GOOD = "def add(a, b):\n    return a - b\n"
 TESTS = r"""
 cd "$WORKSPACE"
@@ -77,9 +79,13 @@ def _tasks(root: Path) -> Path:
     return root
 
 
+def _run_name(store_url: str) -> str:
+    return f"{RUN}-{store_url.split(':')[0].split('+')[0]}"
+
+
 def _config(tmp_path: Path, store_url: str) -> RunConfig:
     return RunConfig.model_validate({
-        "name": RUN,
+        "name": _run_name(store_url),
         "runs_dir": str(tmp_path / "runs"),
         "store": {"url": store_url, "flush_interval_s": 0.5},
         "sandbox": {"pool_size": 6, "memory_mb": 256, "workspace_size_mb": 64,
@@ -160,7 +166,7 @@ def test_hostile_turns_never_crash_the_daemon_and_every_episode_is_stored(
     paid = [e for e in episodes if e[4] == "tests-task" and e[2] != 0.0]
     assert not paid, paid[:3]  # no hostile turn forged a reward for the wrong solution
     left = subprocess.run(
-        ["podman", "ps", "-aq", "--filter", f"label=sandpiper.run={RUN}"],
+        ["podman", "ps", "-aq", "--filter", f"label=sandpiper.run={_run_name(store_url)}"],
         capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     assert left == []

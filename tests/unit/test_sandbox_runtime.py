@@ -90,3 +90,31 @@ def test_socket_paths_fit_a_unix_address_whatever_tmpdir(monkeypatch, tmp_path):
         assert len(str(socket_dir(name) / SOCKET_NAME).encode()) <= 107
     monkeypatch.setattr(tempfile, "tempdir", "/tmp")
     assert socket_dir(name) == Path("/tmp/sandpiper-sockets") / name
+
+
+def test_cgroup_removal_survives_another_collector_removing_the_same_folders(tmp_path, monkeypatch):
+    """Two collectors on one host sweep at once (two pool starts; CI saw it): a folder that
+    goes between listing and removal is gone, not an error that stops the pool's start."""
+    import pathlib
+
+    from sandpiper.collector.sandbox import host_state
+
+    root = tmp_path / "cgroup"
+    (root / "cpu" / "libpod_parent").mkdir(parents=True)
+    for controller in ("cpu", "memory"):
+        (root / controller / "sandpiper-abc" / "libpod-1").mkdir(parents=True)
+    monkeypatch.setattr(host_state, "CGROUP_V1_ROOT", root)
+    monkeypatch.setattr(host_state, "PODMAN_V1_PARENT", root / "cpu" / "libpod_parent")
+    real_rglob = pathlib.Path.rglob
+
+    def rglob_while_another_sweep_removes(self, pattern):
+        if self.parent.name == "memory":  # the other collector removes it first
+            (self / "libpod-1").rmdir()
+            self.rmdir()
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real_rglob(self, pattern)
+
+    monkeypatch.setattr(pathlib.Path, "rglob", rglob_while_another_sweep_removes)
+    assert host_state.remove_cgroup_parent("sandpiper-abc") is False
+    assert not (root / "cpu" / "sandpiper-abc").exists()
+    assert not (root / "memory" / "sandpiper-abc").exists()
