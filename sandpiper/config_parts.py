@@ -392,8 +392,8 @@ class LearnerConfig(_Part):
     after the leader stopped renewing (docs/scaleout.md)."""
     save_train_state: bool = True
     """Save optimiser, scheduler and RNG state with every version, so that a resumed
-    learner (or a standby taking over) continues exactly. Off: resumes with fresh AdamW
-    moments."""
+    learner (or a standby taking over) continues exactly; with retention on, only the
+    newest version keeps it. Off: resumes with fresh AdamW moments."""
     checkpoint_keep_last: int = Field(default=3, ge=1)
     """Retention: keep the newest this many versions (at least 1)."""
     checkpoint_keep_every: int = Field(default=0, ge=0)

@@ -112,3 +112,27 @@ def test_referenced_versions_unknown_to_the_store_are_ignored():
     rule = RetentionPolicy(keep_last=1, keep_every=0, grace_s=0)
     kept = versions_to_keep(_policies(4), rule, in_flight_from=None, now=NOW, referenced={1, 9})
     assert kept == {0, 1, 3}
+
+
+def test_only_the_newest_version_keeps_its_training_state(tmp_path):
+    """A learner resumes from the newest version only; the kept older ones (last N, grace,
+    in flight, collectors' versions) serve weights, so their optimiser state goes."""
+    from sandpiper.trainer.resume import STATE_DIR
+
+    ckpt = tmp_path / "policies"
+    outside = tmp_path / "initial-model"
+    policies = _policies(5, ckpt, term=1)
+    policies[0] = PolicyRecord("r", 0, str(outside), None, None, NOW - timedelta(days=1))
+    for p in policies:
+        (Path(p.checkpoint_uri) / STATE_DIR / "state").mkdir(parents=True)
+        (Path(p.checkpoint_uri) / "model.safetensors").write_bytes(b"x")
+    rule = RetentionPolicy(keep_last=3, keep_every=0, grace_s=0)
+    deleted = prune_checkpoints(
+        _Store(policies), run_id="r", checkpoint_dir=ckpt, term=1, rule=rule, now=NOW
+    )
+    assert [p.name for p in deleted] == ["v000001-t0001"]
+    with_state = {p.version for p in policies if (Path(p.checkpoint_uri) / STATE_DIR).is_dir()}
+    assert with_state == {0, 4}  # v0 lies outside the checkpoint dir: never touched
+    for v in (2, 3, 4):  # the weights of every kept version stay
+        assert (Path(policies[v].checkpoint_uri) / "model.safetensors").is_file()
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".trash-")]
