@@ -247,11 +247,19 @@ class _OnTurn(ScriptedPolicy):
         return await super().generate(prompt_ids, params)
 
 
-def _container() -> str:
-    out = subprocess.run(
-        ["podman", "ps", "-q", "--filter", f"label=sandpiper.run={LABEL}"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+def _container(wait_s: float = 60.0) -> str:
+    """The pool's one running container. A container the pool replaced in an earlier test
+    may still be on its way out (removal runs in the background; CI once listed both), so
+    wait for it to go rather than guess which is the episode's."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = subprocess.run(
+            ["podman", "ps", "-q", "--filter", f"label=sandpiper.run={LABEL}"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        if len(out) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert len(out) == 1, out
     return out[0]
 
