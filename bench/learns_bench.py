@@ -231,10 +231,6 @@ def train(cfg: Any, minutes: float) -> dict[str, Any]:
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     cfg.learner.max_steps = 0  # the wall-clock budget ends the run
     cfg.inference.base_port = _free_port()  # other runs on this machine may hold 8100
-    # Each SmolLM2 version with its optimiser state is 2.5 GB and a version comes every
-    # ~40 s: the default 10-minute grace before retention deletes one filled the disk
-    # (measured: 17 versions, 43 GB). One minute is plenty for one local collector.
-    cfg.learner.checkpoint_grace_s = 60.0
     t0 = time.time()
     demo.run_grpo(cfg, minutes=minutes, on_tick=lambda: None)
     wall_s = time.time() - t0

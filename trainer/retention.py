@@ -92,12 +92,10 @@ def _inside(path: Path, root: Path) -> bool:
     return True
 
 
-def _remove(folder: Path, *, trash_name: str | None = None) -> None:
-    """Rename ``folder`` to a ``.trash-`` name in the checkpoint dir, then delete it (a crash
-    in between leaves trash the next prune removes, never a half-deleted folder by name)."""
-    trash = folder.parent / f".trash-{trash_name or folder.name}"
-    if trash_name is not None:  # a version's sub-folder: the trash goes beside the versions
-        trash = folder.parent.parent / f".trash-{trash_name}"
+def _remove(folder: Path, trash: Path) -> None:
+    """Rename ``folder`` to ``trash`` (a ``.trash-`` name in the checkpoint dir), then delete
+    it: a crash in between leaves trash the next prune removes, never a half-deleted folder
+    under its own name."""
     folder.rename(trash)
     shutil.rmtree(trash)
 
@@ -115,7 +113,7 @@ def _strip_train_state(policies: list[PolicyRecord], keep: set[int], root: Path)
         if not _inside(state, root):
             continue
         try:
-            _remove(state, trash_name=f"{Path(p.checkpoint_uri).name}-{STATE_DIR}")
+            _remove(state, root / f".trash-{state.parent.name}-{STATE_DIR}")
         except OSError as e:
             log.warning("could not delete the training state of v%d: %s", p.version, e)
             continue
@@ -161,7 +159,7 @@ def prune_checkpoints(
         if not folder.exists():
             continue
         try:
-            _remove(folder)
+            _remove(folder, folder.with_name(f".trash-{folder.name}"))
         except OSError as e:  # another process removed it first, or a permission problem
             log.warning("could not delete old checkpoint %s: %s", folder, e)
             continue
