@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast test-unit lint bench clean help
+.PHONY: setup demo test test-fast test-long test-unit lint bench clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -27,6 +27,9 @@ test: setup  ## every test, all tiers (unit, integration, e2e) in parallel
 
 test-fast: setup  ## before each commit: unit tests + one real episode (podman, DuckDB, vLLM)
 	$(PY) -m pytest tests -m "(unit and not slow) or smoke" $(XDIST) -q $(PYTEST_ARGS)
+
+test-long: setup  ## the `volume` tests at CI's size (fuzz 10,000 turns, 24 kill -9 rounds)
+	SANDPIPER_TEST_LONG=1 $(PY) -m pytest tests -m volume $(XDIST) $(PYTEST_ARGS)
 
 test-unit:  ## unit tests only (no services)
 	bash scripts/setup.sh venv

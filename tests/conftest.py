@@ -10,6 +10,14 @@
   is loaded: its nanobind bindings otherwise print ~100 "nanobind: leaked N instances"
   lines at interpreter teardown, which read as failures. ``SANDPIPER_TEST_CLEAN_EXIT=0``
   keeps the normal teardown.
+- Torch and OpenMP get the worker's share of the cores (``OMP_NUM_THREADS`` = cores /
+  xdist workers, unless set): two workers with two threads each on two cores spent their time
+  switching and spinning (a learner-heavy set of tests: 161 s -> 124 s with one thread each).
+  Children (learners, TRL) inherit it; vLLM binds its own threads.
+- ``volume(short, long)``: the size of a test that repeats one behaviour many times (fuzz
+  turns, kill -9 rounds), marked ``volume``. ``make test`` runs the short size;
+  ``make test-long`` (in CI too) runs the marked tests again at the long one
+  (``SANDPIPER_TEST_LONG=1``).
 - A failing test's report is rendered with the garbage collector paused (see
   ``pytest_runtest_makereport``).
 - Tiers are marked by rule, never by a hand list (``pytest_collection_modifyitems``, and
@@ -33,6 +41,8 @@ from pathlib import Path
 import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 REPO = Path(__file__).resolve().parent.parent
 
 pytest_plugins = [
@@ -40,6 +50,15 @@ pytest_plugins = [
     for m in pkgutil.iter_modules([str(Path(__file__).parent / "fixtures")])
     if not m.name.startswith("_")
 ]
+
+
+LONG = os.environ.get("SANDPIPER_TEST_LONG", "") == "1"
+
+
+def volume(short: int, long: int) -> int:
+    """How many times a ``volume`` test repeats its behaviour: ``long`` under
+    ``make test-long`` (``SANDPIPER_TEST_LONG=1``), else ``short``."""
+    return long if LONG else short
 
 
 def require(service: str, available: bool, why: str = "") -> None:

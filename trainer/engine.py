@@ -37,7 +37,8 @@ class World:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (a rendezvous port for a world)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -76,7 +77,7 @@ def init_distributed() -> World:
     if own_world:  # plain `python`: a world of one
         world = dict(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
+            MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())),
         )  # fmt: skip
         _OWN_WORLD_ENV.update({key: os.environ.get(key) for key in world})
         os.environ.update(world)
@@ -99,7 +100,7 @@ def init_distributed() -> World:
             # binding ephemeral ports meanwhile): a world of one just picks another
             if not own_world or attempt == 4:
                 raise
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")

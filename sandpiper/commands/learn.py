@@ -39,12 +39,18 @@ def register(app: typer.Typer) -> None:
 
             learner_ready(cfg)
         if nproc > 1:
+            from sandpiper.trainer.engine import free_port
+
             launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
             argv = [
                 launcher,
                 "--num_gpus",
                 str(nproc),
                 "--no_local_rank",
+                # DeepSpeed's default rendezvous port is 29500 for every launch: a second
+                # learner on this host (a standby, another run) would fail with EADDRINUSE
+                "--master_port",
+                os.environ.get("MASTER_PORT") or str(free_port()),
                 "--module",
                 "sandpiper.trainer",
             ]

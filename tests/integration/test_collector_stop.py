@@ -27,7 +27,7 @@ import pytest
 
 from sandpiper.collector.sandbox.janitor import remove_containers
 from tests.conftest import REPO
-from tests.fixtures.vllm import free_port
+from tests.fixtures.vllm import free_port, tiny_model_copy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -88,11 +88,7 @@ def _port_open(port: int) -> bool:
 def test_kill_9_leaves_no_server_or_other_child(sandbox_image, tmp_path):
     from sandpiper.collector.inference.lifeline import GRACE_S
 
-    model = tmp_path / "tiny-model"
-    subprocess.run(
-        [sys.executable, "-m", "sandpiper.cli", "model", "init-tiny", str(model)],
-        check=True, capture_output=True, cwd=REPO,
-    )  # fmt: skip
+    model = tiny_model_copy(tmp_path / "tiny-model")
     port = free_port()
     toml = _write_toml(
         tmp_path / "kill9.toml",

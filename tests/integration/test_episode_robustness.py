@@ -77,6 +77,7 @@ class Harness:
 
     def episode(self, replies: list, policy=None):
         self.n += 1
+        self.settle()
         client = policy or ScriptedPolicy(self.tokenizer, replies)
         return self.loop.run_until_complete(
             run_pooled_episode(
@@ -89,6 +90,21 @@ class Harness:
                 limits=LIMITS,
             )
         )
+
+    def settle(self, wait_s: float = 60.0) -> None:
+        """Run the loop until the pool holds its one container again.
+
+        The pool removes a container it replaced, and starts the successor, in the
+        background, and its tasks run only while this loop does: between episodes nothing
+        moves, and a test that waits inside an episode's action blocks the loop it waits on
+        (CI listed the replaced container beside the new one for the whole 60 s wait)."""
+
+        async def one_left() -> None:
+            deadline = time.monotonic() + wait_s
+            while len(await _containers()) != 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+
+        self.loop.run_until_complete(one_left())
 
     def close(self) -> None:
         self.loop.run_until_complete(self._cm.__aexit__(None, None, None))
@@ -247,19 +263,21 @@ class _OnTurn(ScriptedPolicy):
         return await super().generate(prompt_ids, params)
 
 
-def _container(wait_s: float = 60.0) -> str:
-    """The pool's one running container. A container the pool replaced in an earlier test
-    may still be on its way out (removal runs in the background; CI once listed both), so
-    wait for it to go rather than guess which is the episode's."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        out = subprocess.run(
-            ["podman", "ps", "-q", "--filter", f"label=sandpiper.run={LABEL}"],
-            capture_output=True, text=True, check=True,
-        ).stdout.split()  # fmt: skip
-        if len(out) == 1 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+async def _containers() -> list[str]:
+    proc = await asyncio.create_subprocess_exec(
+        "podman", "ps", "-q", "--filter", f"label=sandpiper.run={LABEL}",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    return out.decode().split()
+
+
+def _container() -> str:
+    """The pool's one running container (``Harness.episode`` settled the pool first)."""
+    out = subprocess.run(
+        ["podman", "ps", "-q", "--filter", f"label=sandpiper.run={LABEL}"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
     assert len(out) == 1, out
     return out[0]
 

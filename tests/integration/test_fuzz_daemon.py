@@ -7,18 +7,18 @@ pre-created answer and test paths of every kind, chmod 000, kill -9 -1, SIGSTOP 
 process, calls to tools not offered, ...).
 
 Runs on DuckDB and on PostgreSQL (which refuses NUL in text: the store escapes it).
-Asserted: the daemon returns normally (0 crashes) after at least ``FUZZ_TURNS`` (10,000)
-sampled turns (then it is stopped, and the groups in flight finish); every episode that
-started is stored (first turns seen by the policy == episodes in the store == stored groups
-x group size) and every sampled turn too; every episode is valid (a hostile turn is the policy's outcome, never an
-infra failure, and never a collector bug); the tests-graded task, whose wrong solution the
-fuzz never fixes, pays 0 everywhere; no container is left.
+Asserted: the daemon returns normally (0 crashes) after at least ``FUZZ_TURNS`` sampled
+turns (then it is stopped, and the groups in flight finish); every class of hostile turn
+came; every episode that started is stored (first turns seen by the policy == episodes in the
+store == stored groups x group size) and every sampled turn too; every episode is valid (a
+hostile turn is the policy's outcome, never an infra failure, and never a collector bug); the
+tests-graded task, whose wrong solution the fuzz never fixes, pays 0 everywhere; no container
+is left.
 
-Cost (measured on the shared 2-core machine, never quiet): 10,099 turns / 254 episodes in
-331 s at load average 10-12, 10,143 turns in 700 s at load 25-96; the test process itself
-used ~97 CPU-seconds (user + sys, `/usr/bin/time`), so on a quiet CI machine it should take
-about 3 minutes (not measured quiet).
-``SANDPIPER_FUZZ_TURNS`` shrinks it for a quick local run.
+Volume: ``make test`` samples 2,000 turns on DuckDB and 1,000 on PostgreSQL (each class of
+turn dozens of times, ``submit`` and the rarest few about 10 times in 2,000). ``make
+test-long``, which CI runs as well, samples 10,000 and 5,000 (``SANDPIPER_FUZZ_TURNS`` sets any size):
+the long tail of random combinations, ~180 s of test time kept out of the everyday command.
 """
 
 from __future__ import annotations
@@ -34,12 +34,17 @@ import pytest
 import sqlalchemy as sa
 
 from sandpiper.config import RunConfig
-from tests.conftest import REPO
+from tests.conftest import REPO, volume
 from tests.fixtures.fuzz import FuzzPolicy
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.volume,
+    pytest.mark.timeout(1200),
+]
 
-FUZZ_TURNS = int(os.environ.get("SANDPIPER_FUZZ_TURNS", 10_000))
+FUZZ_TURNS = int(os.environ.get("SANDPIPER_FUZZ_TURNS", volume(2_000, 10_000)))
 GROUP_SIZE = 2
 RUN = "fuzz"
 """Run-name prefix; each backend's run is ``fuzz-<backend>`` (the two may run at once on two
@@ -156,6 +161,8 @@ def test_hostile_turns_never_crash_the_daemon_and_every_episode_is_stored(
 
     # 0 daemon crashes (collect returned), and everything scheduled and sampled is stored
     assert policy.calls >= turns and n_turns == policy.calls
+    missing = [k for k in policy.turns.kind_names if not policy.turns.kinds[k]]
+    assert not missing, f"classes of hostile turn never sampled at this volume: {missing}"
     assert len(episodes) == policy.episodes_started == metrics.episodes_total
     assert metrics.groups_total * GROUP_SIZE == len(episodes) and metrics.groups_rejected == 0
     assert metrics.groups_dead == 0  # every byte the fuzz produced was storable

@@ -18,6 +18,7 @@ import torch
 
 from tests.conftest import REPO, require
 from tests.fixtures.learner import sample_group
+from tests.fixtures.vllm import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -55,7 +56,9 @@ def _run(tmp: Path, model: Path, groups: Path, *, nproc: int, stage: int) -> dic
     else:
         launcher = shutil.which("deepspeed", path=str(VENV_BIN))
         require("deepspeed launcher", launcher is not None, "not installed in the venv")
-        cmd = [launcher, "--num_gpus", str(nproc), "--no_local_rank", "--module", *module[1:]]
+        port = str(free_port())  # not DeepSpeed's default 29500: another test may hold it
+        cmd = [launcher, "--num_gpus", str(nproc), "--no_local_rank", "--master_port", port,
+               "--module", *module[1:]]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
     env.pop("RANK", None)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -93,7 +93,6 @@ def _config(tmp: Path) -> Path:
             "max_episode_tokens": 160,
             "temperature": 0.4,
             "max_concurrent_episodes": 6,
-            "max_lag": 1,
             "max_unconsumed_groups": GROUPS_PER_STEP,
             "policy_poll_s": 0.5,
             "status_interval_s": 5.0,

@@ -1,4 +1,7 @@
-"""kill -9 a writer process at random points; nothing acknowledged is lost or duplicated."""
+"""kill -9 a writer process at random points; nothing acknowledged is lost or duplicated.
+
+``ROUNDS`` writers are killed one after another (6 in ``make test``, 24 in ``make
+test-long``), each 1-3 s into its run."""
 
 from __future__ import annotations
 
@@ -12,9 +15,11 @@ import pytest
 import sqlalchemy as sa
 
 from sandpiper.store import Store
-from tests.conftest import REPO
+from tests.conftest import REPO, volume
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROUNDS = volume(6, 24)
 
 WRITER = """
 import sys
@@ -75,15 +80,16 @@ def _run_and_kill(url: str, spool: str, prefix: str, delay_s: float) -> list[str
     return acked
 
 
+@pytest.mark.volume
 def test_kill_9_writer_loses_nothing_acknowledged(tmp_path):
     url = f"duckdb:///{tmp_path / 's.duckdb'}"
     Store(url).init()
     spool = str(tmp_path / "spool")
     rng = random.Random(1234)
     acked: list[str] = []
-    for round_ in range(12):
+    for round_ in range(ROUNDS):
         acked += _run_and_kill(url, spool, f"r{round_}", rng.uniform(1.0, 3.0))
-    assert len(acked) > 12, "writers never acknowledged anything; the test proves nothing"
+    assert len(acked) > ROUNDS, "writers never acknowledged anything; the test proves nothing"
     out = subprocess.run(
         [sys.executable, "-c", RECOVER, url, spool], cwd=REPO, capture_output=True, text=True,
         timeout=180,
