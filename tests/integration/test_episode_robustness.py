@@ -19,6 +19,7 @@ import asyncio
 import json
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from sandpiper.collector.episode.loop import default_toolbox_factory, run_pooled
 from sandpiper.collector.episode.policy import TokenPolicy
 from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.episode.tools import TOOL_SCHEMAS
+from sandpiper.collector.sandbox.containers import read_registry
 from sandpiper.collector.sandbox.isolation import SUPERVISOR_MAIN
 from sandpiper.collector.tasks.loading import load_task_folder
 from sandpiper.config import SamplingLimits
@@ -74,15 +76,21 @@ class Harness:
         self.task = load_task_folder(root)
         self.toolboxes = default_toolbox_factory(exec_timeout_s=10, test_timeout_s=20)
         self.n = 0
+        self.uid = uuid.uuid4().hex[:8]
+        """Unique per harness, so a registry entry names this module run's episode only."""
+
+    @property
+    def episode_id(self) -> str:
+        """Id of the episode running (or last run)."""
+        return f"r{self.n}-{self.uid}"
 
     def episode(self, replies: list, policy=None):
         self.n += 1
-        self.settle()
         client = policy or ScriptedPolicy(self.tokenizer, replies)
         return self.loop.run_until_complete(
             run_pooled_episode(
                 self.pool,
-                episode_id=f"r{self.n}",
+                episode_id=self.episode_id,
                 sample_index=0,
                 task=self.task,
                 policy=TokenPolicy(client, self.renderer),
@@ -90,21 +98,6 @@ class Harness:
                 limits=LIMITS,
             )
         )
-
-    def settle(self, wait_s: float = 60.0) -> None:
-        """Run the loop until the pool holds its one container again.
-
-        The pool removes a container it replaced, and starts the successor, in the
-        background, and its tasks run only while this loop does: between episodes nothing
-        moves, and a test that waits inside an episode's action blocks the loop it waits on
-        (CI listed the replaced container beside the new one for the whole 60 s wait)."""
-
-        async def one_left() -> None:
-            deadline = time.monotonic() + wait_s
-            while len(await _containers()) != 1 and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-
-        self.loop.run_until_complete(one_left())
 
     def close(self) -> None:
         self.loop.run_until_complete(self._cm.__aexit__(None, None, None))
@@ -263,23 +256,17 @@ class _OnTurn(ScriptedPolicy):
         return await super().generate(prompt_ids, params)
 
 
-async def _containers() -> list[str]:
-    proc = await asyncio.create_subprocess_exec(
-        "podman", "ps", "-q", "--filter", f"label=sandpiper.run={LABEL}",
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, _ = await proc.communicate()
-    return out.decode().split()
-
-
-def _container() -> str:
-    """The pool's one running container (``Harness.episode`` settled the pool first)."""
-    out = subprocess.run(
-        ["podman", "ps", "-q", "--filter", f"label=sandpiper.run={LABEL}"],
+def _container(episode_id: str) -> str:
+    """The container running ``episode_id``, as the pool's registry says. Others of the run
+    may be listed beside it: the one the pool replaced after an earlier test on its way out,
+    or its successor starting (CI saw both)."""
+    names = subprocess.run(
+        ["podman", "ps", "--format", "{{.Names}}", "--filter", f"label=sandpiper.run={LABEL}"],
         capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
-    assert len(out) == 1, out
-    return out[0]
+    mine = [n for n in names if read_registry(n).get("episode") == episode_id]
+    assert len(mine) == 1, (episode_id, names, mine)
+    return mine[0]
 
 
 def test_a_stopped_shell_is_detected_by_the_host_watchdog_and_the_episode_goes_on(harness):
@@ -288,8 +275,8 @@ def test_a_stopped_shell_is_detected_by_the_host_watchdog_and_the_episode_goes_o
     takeover, and the call reported as timed out; the episode continues and is graded."""
 
     def stop_supervisor():
-        subprocess.run(["podman", "exec", _container(), "pkill", "-STOP", "-f", SUPERVISOR_MAIN],
-                       check=True)  # fmt: skip
+        box = _container(harness.episode_id)
+        subprocess.run(["podman", "exec", box, "pkill", "-STOP", "-f", SUPERVISOR_MAIN], check=True)
 
     replies = [bash("echo one"), bash("echo two", timeout=1), bash("echo three"), SUBMIT]
     ep = harness.episode(
@@ -306,7 +293,7 @@ def test_a_container_removed_by_the_host_is_sandbox_lost_and_replaced(harness):
         """As an operator would: ``podman rm -f``, again while the container still exists
         (podman 4.3's removal racing the pool's own ``podman exec`` can fail with "device
         or resource busy", the race ``remove_containers_by_name`` retries in the collector)."""
-        name, errors = _container(), []
+        name, errors = _container(harness.episode_id), []
         for attempt in range(5):
             done = subprocess.run(["podman", "rm", "-f", "-t", "0", name], capture_output=True,
                                   text=True)  # fmt: skip
