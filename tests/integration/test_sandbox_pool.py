@@ -241,6 +241,41 @@ def test_cancelled_exec_does_not_desync_the_shell(sandbox_pool):
     asyncio.run(go())
 
 
+def test_a_shell_whose_host_died_before_connecting_exits_at_once(sandbox_pool):
+    """A collector killed between starting a sandbox's shell (``podman exec -i ... --listen``)
+    and connecting to its socket: the shell sees its stdin close and exits, and with it the
+    ``podman exec`` on the host, instead of waiting out the accept timeout (60 s; seen as a
+    leftover ``podman exec`` in the kill -9 test of test_collector_stop.py)."""
+    from sandpiper.collector.sandbox.client import SUPERVISOR_MAIN
+    from sandpiper.collector.sandbox.supervisor.server import ACCEPT_TIMEOUT_S
+
+    async def go():
+        async with (
+            sandbox_pool(pool_size=1) as pool,
+            pool.session(episode_id="e", task_id="t") as box,
+        ):
+            argv = ["podman", "exec", "-i", box.name, "python3", "-I", SUPERVISOR_MAIN,
+                    "--listen", "/.sandpiper/sock/second"]  # fmt: skip
+            shell = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+            )
+            assert shell.stdout is not None and shell.stdin is not None
+            ready = await asyncio.wait_for(shell.stdout.readline(), 60)
+            assert ready.startswith(b'{"ready"'), ready
+            started = time.monotonic()
+            shell.stdin.close()  # what the kernel does to the pipe of a killed collector
+            try:
+                code = await asyncio.wait_for(shell.wait(), ACCEPT_TIMEOUT_S / 4)
+            finally:
+                if shell.returncode is None:
+                    shell.kill()
+                    await shell.wait()
+            assert code == 1 and time.monotonic() - started < ACCEPT_TIMEOUT_S / 4
+            assert (await box.exec("echo alive")).stdout == "alive\n"  # the first shell serves
+
+    asyncio.run(go())
+
+
 _NAMESPACED_COLLECTOR = """
 import os, socket, sys, time
 from sandpiper.store import Store

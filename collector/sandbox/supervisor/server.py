@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from . import privileges
 from .files import AGENT_FILE_OPS
@@ -79,13 +80,9 @@ def listen(path: str):
     server.bind(path)
     os.chmod(path, 0o600)
     server.listen(4)
-    server.settimeout(ACCEPT_TIMEOUT_S)
     announce_ready(socket=path)
     while True:
-        try:
-            conn, _ = server.accept()
-        except TimeoutError:
-            sys.exit(1)  # the host never came: nothing to serve
+        conn = _accept_while_the_host_lives(server)
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         peer_pid = struct.unpack("3i", creds)[0]
         if peer_pid == 0 or not privileges.PRIVILEGED:
@@ -95,6 +92,24 @@ def listen(path: str):
     server.close()
     conn.settimeout(None)
     return conn.makefile("rb"), conn.makefile("wb")
+
+
+def _accept_while_the_host_lives(server):
+    """The next connection; exit when the host never comes (:data:`ACCEPT_TIMEOUT_S`) or is
+    gone: its end of the ``podman exec`` stdin pipe closed. A collector killed between
+    starting this shell and connecting to it left the shell (and its ``podman exec`` on the
+    host) waiting out the whole timeout."""
+    import select
+
+    stdin = sys.stdin.buffer.fileno()
+    deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([server, stdin], [], [], left)
+        if server in ready:
+            return server.accept()[0]
+        if stdin in ready and not os.read(stdin, 1 << 16):
+            break  # end of file: the host process that started this shell died
+    sys.exit(1)
 
 
 def main() -> None:
