@@ -194,8 +194,10 @@ def test_busy_sandboxes_cannot_starve_the_host(sandbox_pool):
     async def go():
         async with sandbox_pool(pool_size=4) as pool:
             boxes = [await pool.acquire(episode_id=f"e{i}", task_id="t") for i in range(4)]
-            burn = ("for i in 1 2; do timeout 8 taskset -c 0 sh -c 'while :; do :; done' & done;"
-                    " echo started")
+            burn = (
+                "for i in 1 2; do timeout 8 taskset -c 0 sh -c 'while :; do :; done' & done;"
+                " echo started"
+            )
             for box in boxes:
                 assert (await box.exec(burn, timeout_s=10)).stdout.strip() == "started"
             await asyncio.sleep(1)  # every burner running
