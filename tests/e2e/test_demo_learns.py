@@ -33,7 +33,11 @@ from tests.conftest import REPO, require
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-STEPS = 20
+STEPS = 12
+"""Versions the learner makes. On a quiet run the reward went 0.19 (warm start) -> 0.39 at
+version 4 -> ~0.65 at 12 -> 0.75 at 20: twelve leave the later half well above the +0.15 the
+test asks for. Twenty cost the test's processes 359 CPU-seconds in a full-suite run, twelve
+284 (the suite is CPU-bound on 2 cores: docs/testing.md)."""
 GROUPS_PER_STEP = 6
 MAX_LAG = 1
 TASKS = 60
