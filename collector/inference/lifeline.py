@@ -29,6 +29,11 @@ itself a subreaper (``PR_SET_CHILD_SUBREAPER``), so a grandchild that leaves the
 the child gets ``PR_SET_PDEATHSIG = SIGKILL`` with the wrapper's single thread as parent, so
 a wrapper killed outright takes the child along.
 
+With ``private_tmp`` the child gets a temporary folder of its own (``TMPDIR``), which the
+wrapper removes once the child and its group are gone, however the parent died: vLLM leaves
+its ZeroMQ sockets and its ``vllm_dist_*`` rendezvous file in ``TMPDIR`` and never removes
+them (three sockets and a file per server start, in ``/tmp`` otherwise).
+
 Signals sent to the wrapper alone (SIGTERM, SIGINT, SIGHUP) are passed on to the child.
 Limits: a descendant that leaves the group *and* double-forks before the wrapper sees it is
 re-parented to the wrapper (subreaper) and swept; one that moves to another PID namespace
@@ -39,9 +44,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -49,6 +56,9 @@ from pathlib import Path
 GRACE_S = 5.0
 """After the lifeline breaks: how long the child may take to stop on SIGTERM before the
 whole group is SIGKILLed."""
+
+PRIVATE_TMP = "--private-tmp"
+"""The wrapper's option (before ``--``) that gives the child a ``TMPDIR`` of its own."""
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -70,13 +80,16 @@ def _lifeline_fd() -> int:
         return _pipe[1]
 
 
-def wrap(argv: list[str]) -> tuple[list[str], tuple[int, ...]]:
+def wrap(argv: list[str], *, private_tmp: bool = False) -> tuple[list[str], tuple[int, ...]]:
     """``argv`` run under the lifeline wrapper, and the file descriptors ``Popen`` must pass
     (``pass_fds``). Start it with ``start_new_session=True``: the wrapper is then the leader
-    of the group that :func:`os.killpg` on its pid reaches."""
+    of the group that :func:`os.killpg` on its pid reaches. ``private_tmp``: the child's
+    ``TMPDIR`` is a new folder, removed when the child is gone (see the module docstring)."""
     fd = _lifeline_fd()
-    wrapper = [sys.executable, "-I", str(Path(__file__).resolve()), str(fd), "--"]
-    return wrapper + list(argv), (fd,)
+    wrapper = [sys.executable, "-I", str(Path(__file__).resolve()), str(fd)]
+    if private_tmp:
+        wrapper.append(PRIVATE_TMP)
+    return [*wrapper, "--", *argv], (fd,)
 
 
 def wrapped_command(cmdline: list[str]) -> list[str] | None:
@@ -86,7 +99,7 @@ def wrapped_command(cmdline: list[str]) -> list[str] | None:
         sep = cmdline.index("--")
     except ValueError:
         return None
-    if sep < 2 or Path(cmdline[sep - 2]).name != Path(__file__).name:
+    if not any(Path(arg).name == Path(__file__).name for arg in cmdline[1:sep]):
         return None
     return cmdline[sep + 1 :]
 
@@ -151,7 +164,12 @@ def _sweep() -> None:
         time.sleep(0.05)
 
 
-def _on_lifeline_broken(child: subprocess.Popen) -> None:
+def _remove_scratch(scratch: str | None) -> None:
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _on_lifeline_broken(child: subprocess.Popen, scratch: str | None) -> None:
     """The parent died: ask the child to stop (it stops what it started), give it
     :data:`GRACE_S`, then SIGKILL every descendant and the group, and exit."""
     with contextlib.suppress(ProcessLookupError):
@@ -160,6 +178,7 @@ def _on_lifeline_broken(child: subprocess.Popen) -> None:
     while child.returncode is None and time.monotonic() < deadline:
         time.sleep(0.05)  # the main thread's wait() sets returncode
     _sweep()
+    _remove_scratch(scratch)
     try:
         os.killpg(os.getpgid(0), signal.SIGKILL)  # any group member not found above; us too
     finally:
@@ -167,14 +186,19 @@ def _on_lifeline_broken(child: subprocess.Popen) -> None:
 
 
 def main(args: list[str]) -> int:
-    if len(args) < 3 or args[1] != "--":
-        sys.stderr.write("usage: lifeline.py FD -- COMMAND [ARG ...]\n")
+    fd_arg, *rest = args or [""]
+    private_tmp = rest[:1] == [PRIVATE_TMP]
+    rest = rest[1:] if private_tmp else rest
+    if not fd_arg.isdigit() or len(rest) < 2 or rest[0] != "--":
+        sys.stderr.write(f"usage: lifeline.py FD [{PRIVATE_TMP}] -- COMMAND [ARG ...]\n")
         return 2
-    fd = int(args[0])
+    fd = int(fd_arg)
     with contextlib.suppress(OSError):  # an old kernel: orphans that left the group are
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # not found by the final sweep
     me = os.getpid()
-    child = subprocess.Popen(args[2:], preexec_fn=lambda: _child_setup(me))
+    scratch = tempfile.mkdtemp(prefix="sandpiper-tmp-") if private_tmp else None
+    env = None if scratch is None else {**os.environ, "TMPDIR": scratch}
+    child = subprocess.Popen(rest[1:], env=env, preexec_fn=lambda: _child_setup(me))
 
     def forward(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -189,11 +213,12 @@ def main(args: list[str]) -> int:
                 pass
         except OSError:
             pass
-        _on_lifeline_broken(child)
+        _on_lifeline_broken(child, scratch)
 
     threading.Thread(target=watch, name="lifeline", daemon=True).start()
     code = child.wait()
     _sweep()  # what the child left behind: its group goes with it
+    _remove_scratch(scratch)
     if code < 0:  # die of the same signal, so the parent's Popen reads the same status
         if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be handled
             signal.signal(-code, signal.SIG_DFL)

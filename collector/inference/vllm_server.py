@@ -181,7 +181,8 @@ class VLLMServer:
         if self.is_alive():
             return
         self._reap_orphan()
-        argv, lifeline_fds = lifeline.wrap(self.command())  # dies with this process
+        # dies with this process; its sockets and rendezvous file go with its TMPDIR
+        argv, lifeline_fds = lifeline.wrap(self.command(), private_tmp=True)
         with open(self._log_file(), "ab") as log_file:
             self._proc = subprocess.Popen(
                 argv,

@@ -73,6 +73,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -127,7 +132,12 @@ def test_kill_9_leaves_no_server_or_other_child(sandbox_image, tmp_path):
         names = {pid: _cmdline(pid) for pid in children}
         (wrapper,) = [pid for pid, c in names.items() if "lifeline.py" in c and "vllm" in c]
         # the API server and its engine-core process, both under the lifeline wrapper
-        assert len(_descendants(wrapper)) >= 2, names
+        server_pids = _descendants(wrapper)
+        assert len(server_pids) >= 2, names
+        # vLLM's sockets and rendezvous file are in the server's own TMPDIR ...
+        scratch = Path(_environ(server_pids[0])["TMPDIR"])
+        assert scratch.name.startswith("sandpiper-tmp-"), scratch
+        assert list(scratch.glob("vllm_dist_*")) and any(p.is_socket() for p in scratch.iterdir())
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + GRACE_S + 20
@@ -135,6 +145,7 @@ def test_kill_9_leaves_no_server_or_other_child(sandbox_image, tmp_path):
             time.sleep(0.2)
         assert left == [], {p: names[p] for p in left}
         assert not _port_open(port)
+        assert not scratch.exists()  # ... which went with the server
     finally:
         if proc.poll() is None:
             proc.kill()

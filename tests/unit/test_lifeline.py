@@ -120,6 +120,51 @@ def test_the_wrapper_reports_its_child_exit_status_and_passes_signals_on():
     assert lifeline.wrapped_command(["sleep", "100"]) is None
 
 
+TMP_OWNER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from sandpiper.collector.inference import lifeline
+    # what vLLM does: a socket-like file and a child that writes there too
+    script = 'echo $TMPDIR; touch "$TMPDIR/ipc-socket"; sleep 1000 & wait'
+    argv, fds = lifeline.wrap(["sh", "-c", script], private_tmp=True)
+    subprocess.Popen(argv, pass_fds=fds, start_new_session=True, stdout=sys.stdout)
+    time.sleep(1000)
+    """
+)
+
+
+def test_a_private_tmp_goes_with_its_child_however_the_owner_ends(tmp_path, monkeypatch):
+    """vLLM leaves sockets and a rendezvous file in ``TMPDIR``: under ``private_tmp`` they live
+    in a folder of the child's own, removed after a normal exit and after the owner's SIGKILL."""
+    base = tmp_path / "tmp"
+    base.mkdir()
+    monkeypatch.setenv("TMPDIR", str(base))  # where the wrapper makes the child's folder
+    argv, fds = lifeline.wrap(["sh", "-c", 'touch "$TMPDIR/x"; echo $TMPDIR'], private_tmp=True)
+    assert lifeline.wrapped_command(argv) == ["sh", "-c", 'touch "$TMPDIR/x"; echo $TMPDIR']
+    done = subprocess.run(argv, pass_fds=fds, capture_output=True, text=True, check=True)
+    scratch = Path(done.stdout.strip())
+    assert scratch.parent == base and scratch.name.startswith("sandpiper-tmp-")
+    assert list(base.iterdir()) == []  # removed with the files the child left
+
+    out = tmp_path / "owner.out"
+    with out.open("w") as f:
+        owner = subprocess.Popen([sys.executable, "-c", TMP_OWNER], cwd=REPO, stdout=f)
+    try:
+        deadline = time.monotonic() + 30
+        while not (base.exists() and any(p.glob("ipc-socket") for p in base.iterdir())):
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + lifeline.GRACE_S + 10
+        while list(base.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(base.iterdir()) == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+
+
 STUCK = textwrap.dedent(
     """
     import asyncio, threading, time
