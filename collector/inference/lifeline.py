@@ -30,7 +30,8 @@ the child gets ``PR_SET_PDEATHSIG = SIGKILL`` with the wrapper's single thread a
 a wrapper killed outright takes the child along.
 
 With ``private_tmp`` the child gets a temporary folder of its own (``TMPDIR``), which the
-wrapper removes once the child and its group are gone, however the parent died: vLLM leaves
+wrapper removes once the child and its group are gone, however the parent died (the owner
+removes it with :func:`remove_private_tmp` when it SIGKILLs the wrapper itself): vLLM leaves
 its ZeroMQ sockets and its ``vllm_dist_*`` rendezvous file in ``TMPDIR`` and never removes
 them (three sockets and a file per server start, in ``/tmp`` otherwise).
 
@@ -164,6 +165,24 @@ def _sweep() -> None:
         time.sleep(0.05)
 
 
+def _scratch_prefix(wrapper_pid: int) -> str:
+    return f"sandpiper-tmp-{wrapper_pid}-"
+
+
+def remove_private_tmp(wrapper_pid: int) -> None:
+    """Remove the private ``TMPDIR`` of a wrapper that is gone. The wrapper removes it itself
+    unless it was SIGKILLed (a group kill by its owner); the owner calls this afterwards.
+    Nothing is removed while a process with that pid runs (a recycled pid's own folder)."""
+    try:
+        stat = Path(f"/proc/{wrapper_pid}/stat").read_text()
+    except OSError:
+        stat = ""
+    if stat and stat[stat.rfind(")") + 2 :].split()[0] != "Z":  # not a zombie: still runs
+        return
+    for path in Path(tempfile.gettempdir()).glob(_scratch_prefix(wrapper_pid) + "*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _remove_scratch(scratch: str | None) -> None:
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -196,7 +215,7 @@ def main(args: list[str]) -> int:
     with contextlib.suppress(OSError):  # an old kernel: orphans that left the group are
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # not found by the final sweep
     me = os.getpid()
-    scratch = tempfile.mkdtemp(prefix="sandpiper-tmp-") if private_tmp else None
+    scratch = tempfile.mkdtemp(prefix=_scratch_prefix(me)) if private_tmp else None
     env = None if scratch is None else {**os.environ, "TMPDIR": scratch}
     child = subprocess.Popen(rest[1:], env=env, preexec_fn=lambda: _child_setup(me))
 

@@ -226,6 +226,7 @@ class VLLMServer:
             deadline = time.monotonic() + 10
             while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
+            lifeline.remove_private_tmp(pid)
         pid_file.unlink(missing_ok=True)
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -327,6 +328,7 @@ class VLLMServer:
                 continue
             break
         _wait_group_gone(proc.pid, timeout_s=5.0)
+        lifeline.remove_private_tmp(proc.pid)  # the wrapper's own removal, if SIGKILLed
         self._pid_file().unlink(missing_ok=True)
         log.info("stopped vLLM pid %d on %s", proc.pid, self.url)
 

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,6 +80,12 @@ def make_server(tmp_path: Path, **kwargs) -> FakeVLLMServer:
     return server
 
 
+def _tmpdir(monkeypatch, path: Path) -> None:
+    """``TMPDIR`` for the servers' wrappers, and for this process (``tempfile`` caches it)."""
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -144,7 +151,10 @@ def test_start_sets_version_and_stop_kills_the_process_group(tmp_path: Path) -> 
     assert wait_until(lambda: not pid_alive(child_pid)), "engine child survived stop()"
 
 
-def test_dead_server_is_restarted_with_its_last_weights(tmp_path: Path) -> None:
+def test_dead_server_is_restarted_with_its_last_weights(tmp_path: Path, monkeypatch) -> None:
+    base = tmp_path / "tmp"
+    base.mkdir()
+    _tmpdir(monkeypatch, base)
     server = make_server(tmp_path)
     server.start()
     try:
@@ -164,8 +174,12 @@ def test_dead_server_is_restarted_with_its_last_weights(tmp_path: Path) -> None:
             ),
             ("/update_weight_version", {"new_version": "7"}),
         ]
+        # the killed server's private TMPDIR was removed, the new one's is there
+        (scratch,) = base.iterdir()
+        assert scratch.name.startswith(f"sandpiper-tmp-{server.pid}-")
     finally:
         server.stop()
+    assert list(base.iterdir()) == []
 
 
 def test_server_that_dies_during_start_up_reports_its_log(tmp_path: Path) -> None:
@@ -251,7 +265,12 @@ def test_start_servers_prefers_the_configured_log_dir(tmp_path: Path, monkeypatc
     ]
 
 
-def test_server_left_by_a_crashed_owner_is_reaped_on_next_start(tmp_path: Path) -> None:
+def test_server_left_by_a_crashed_owner_is_reaped_on_next_start(
+    tmp_path: Path, monkeypatch
+) -> None:
+    base = tmp_path / "tmp"
+    base.mkdir()
+    _tmpdir(monkeypatch, base)  # where the servers' private TMPDIRs go
     first = make_server(tmp_path)
     first.start()
     orphan_pid = first.pid
@@ -260,6 +279,8 @@ def test_server_left_by_a_crashed_owner_is_reaped_on_next_start(tmp_path: Path) 
     second = make_server(tmp_path)
     second.port = first.port
     try:
+        (scratch,) = base.iterdir()  # the wrapper's private TMPDIR, named by its pid
+        assert scratch.name.startswith(f"sandpiper-tmp-{orphan_pid}-")
         second.start()
         assert wait_until(lambda: not pid_alive(orphan_pid)), "orphan not reaped"
         assert second.is_alive() and second.healthy() and second.pid != orphan_pid
@@ -268,3 +289,5 @@ def test_server_left_by_a_crashed_owner_is_reaped_on_next_start(tmp_path: Path) 
         second.stop()
         first._proc = None  # already reaped; do not signal a recycled pid
     assert not tmp_path.joinpath("server.pid").exists()
+    # the SIGKILLed orphan's private TMPDIR went with it, the stopped server's too
+    assert list(base.iterdir()) == []
