@@ -269,12 +269,17 @@ class FakePool:
         self.images: list[str | None] = []
         self.started = self.closed = False
         self.config: Any = None
+        self._boxes: list[FakeSandbox] = []
 
     async def start(self) -> None:
         self.started = True
 
     async def close(self) -> None:
+        """Remove every sandbox's folder, as the real pool removes its containers."""
         self.closed = True
+        boxes, self._boxes = self._boxes, []
+        for box in boxes:
+            await box.close()
 
     async def acquire(
         self, *, episode_id: str, task_id: str, image: str | None = None
@@ -283,7 +288,9 @@ class FakePool:
             raise self.fail
         self.acquired += 1
         self.images.append(image)
-        return scripted_sandbox(f"box-{self.acquired}")
+        box = scripted_sandbox(f"box-{self.acquired}")
+        self._boxes.append(box)
+        return box
 
     async def release(self, sandbox: FakeSandbox, *, broken: bool = False) -> None:
         self.released.append((sandbox.id, broken))

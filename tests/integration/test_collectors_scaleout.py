@@ -80,7 +80,9 @@ def _start(url: str, tmp_path: Path, host: str, **opts) -> Proc:
             "--host", host, "--spool", str(tmp_path / f"spool-{host}"), "--ttl-s", str(TTL_S), "--heartbeat-s", "1.0"]  # fmt: skip
     for key, value in opts.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # its fake sandboxes' folders: a process killed with SIGKILL cannot remove them
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path / "tmp")}
     popen = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
     _STARTED.append(popen)
     proc = Proc(popen)
