@@ -39,14 +39,15 @@ code = text.split("<answer>")[-1].split("</answer>")[0].strip() if "<answer>" in
 if not code:
     result = {"reward": 0.0, "error": "no code inside <answer> tags"}
 else:
-    try:
-        run = subprocess.run(
-            ["python3", "-c", code], capture_output=True, timeout=TIMEOUT_S,
-            cwd=tempfile.mkdtemp(), stdin=subprocess.DEVNULL,
-        )
-        result = {"reward": 1.0 if run.returncode == 0 else 0.0, "returncode": run.returncode}
-    except subprocess.TimeoutExpired:
-        result = {"reward": 0.0, "error": f"timed out after {TIMEOUT_S} s"}
+    with tempfile.TemporaryDirectory() as work:
+        try:
+            run = subprocess.run(
+                ["python3", "-c", code], capture_output=True, timeout=TIMEOUT_S,
+                cwd=work, stdin=subprocess.DEVNULL,
+            )
+            result = {"reward": 1.0 if run.returncode == 0 else 0.0, "returncode": run.returncode}
+        except subprocess.TimeoutExpired:
+            result = {"reward": 0.0, "error": f"timed out after {TIMEOUT_S} s"}
 with open(os.environ["SANDPIPER_RESULT_FILE"], "w") as f:
     json.dump(result, f)
 '''
