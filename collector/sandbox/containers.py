@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,8 @@ async def run_podman(*args: str, stdin: bytes | None = None, timeout_s: float = 
 async def remove_containers_by_name(names: list[str], attempts: int = 4) -> None:
     """``podman rm -f``, retried (on podman 4.3 a removal racing another podman call can
     fail with "unlinkat …/userdata/shm: device or resource busy"), then what the host kept
-    for each container (:func:`.host_state.forget`). Every removal goes through here."""
+    for each container (:func:`.host_state.forget`) and its registry entry. Every removal
+    goes through here."""
     for attempt in range(attempts):
         try:
             await run_podman("rm", "-f", "-t", "0", "--ignore", *names)
@@ -88,6 +90,8 @@ async def remove_containers_by_name(names: list[str], attempts: int = 4) -> None
                 raise
             await asyncio.sleep(0.2 * 2**attempt)
     await asyncio.gather(*(host_state.forget(name) for name in names))
+    for name in names:
+        remove_registry(name)
 
 
 async def _reap(proc: asyncio.subprocess.Process) -> None:
@@ -97,13 +101,26 @@ async def _reap(proc: asyncio.subprocess.Process) -> None:
 
 
 async def sweep_stale_host_state() -> int:
-    """Remove the cgroup and socket folders (:mod:`.host_state`) of containers podman no
-    longer has (removed by ``sandbox gc``, their collector killed, or their conmon outlived
-    the removal); returns how many."""
-    if not host_state.names_on_host():
+    """Remove the cgroup and socket folders (:mod:`.host_state`) and the registry entries of
+    containers podman no longer has (removed by ``sandbox gc``, their collector killed, or
+    their conmon outlived the removal); returns how many containers' folders went."""
+    registered = _registered_names()
+    if not host_state.names_on_host() and not registered:
         return 0
     known = set((await run_podman("ps", "-a", "--format", "{{.Names}}")).decode().split())
+    old = time.time() - 2 * START_TIMEOUT_S  # another collector may be making its container
+    for name in registered - known:
+        with contextlib.suppress(OSError):
+            if (REGISTRY_DIR / f"{name}.json").stat().st_mtime < old:
+                remove_registry(name)
     return host_state.sweep(known, min_age_s=2 * START_TIMEOUT_S)
+
+
+def _registered_names() -> set[str]:
+    try:
+        return {p.stem for p in REGISTRY_DIR.glob("sandpiper-*.json")}
+    except OSError:
+        return set()
 
 
 def collector_id() -> str:

@@ -387,14 +387,24 @@ def test_each_sandbox_weighs_a_quarter_of_a_host_process_and_runs_static_bash(sa
 def test_close_during_resets_leaves_no_host_state(sandbox_pool):
     """Closing a pool while released sandboxes are still being reset (the reset task is
     cancelled, so the box is in neither the idle queue nor in use) removes their containers
-    by label AND what the host kept for each: the socket folder and the cgroup folders."""
+    by label AND what the host kept for each: the socket folder, the cgroup folders and the
+    registry entry. A registry entry a killed collector left (no container, old) goes at
+    the next pool start."""
+    from sandpiper.collector.sandbox.containers import REGISTRY_DIR
     from sandpiper.collector.sandbox.host_state import CGROUP_V1_ROOT, socket_dir
+
+    stale = REGISTRY_DIR / f"sandpiper-stale{os.getpid()}.json"
+    REGISTRY_DIR.mkdir(parents=True, exist_ok=True)
+    stale.write_text("{}")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
 
     async def go():
         async with sandbox_pool(pool_size=2) as pool:
+            assert not stale.exists()  # swept by the pool's start
             boxes = [await pool.acquire(episode_id=f"e{i}", task_id="t") for i in range(2)]
             names = [b.id for b in boxes]
             assert all(socket_dir(n).is_dir() for n in names)
+            assert all((REGISTRY_DIR / f"{n}.json").is_file() for n in names)
             for box in boxes:
                 await pool.release(box)  # resets run in the background; close cancels them
         return names
@@ -402,6 +412,7 @@ def test_close_during_resets_leaves_no_host_state(sandbox_pool):
     names = asyncio.run(go())
     assert not any(socket_dir(n).exists() for n in names)
     assert not [p for n in names for p in CGROUP_V1_ROOT.glob(f"*/{n}")]
+    assert not [n for n in names if (REGISTRY_DIR / f"{n}.json").exists()]
 
 
 def test_a_start_cancelled_mid_way_leaves_no_container_or_runc_behind(
