@@ -35,7 +35,10 @@ import atexit
 import gc
 import os
 import pkgutil
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,6 +77,15 @@ def require(service: str, available: bool, why: str = "") -> None:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+@pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A temp folder with a short path (under /tmp, removed after the test): a Unix socket's
+    path must fit in 107 bytes, and pytest's ``tmp_path`` is long."""
+    path = Path(tempfile.mkdtemp(prefix="sp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

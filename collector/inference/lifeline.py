@@ -169,6 +169,18 @@ def _scratch_prefix(wrapper_pid: int) -> str:
     return f"sandpiper-tmp-{wrapper_pid}-"
 
 
+SOCKET_PATH_MAX = 107
+"""Longest path of a Unix socket (``sun_path`` holds 108 bytes with its NUL)."""
+
+
+def _scratch_base() -> str:
+    """Where private ``TMPDIR`` folders go: the temp folder, or ``/tmp`` when it is so long
+    that a socket in the folder (vLLM names them by a 36-character uuid) would not fit."""
+    base = tempfile.gettempdir()
+    longest = len(base) + len(_scratch_prefix(2**22)) + 8 + 1 + 36
+    return base if longest <= SOCKET_PATH_MAX else "/tmp"
+
+
 def remove_private_tmp(wrapper_pid: int) -> None:
     """Remove the private ``TMPDIR`` of a wrapper that is gone. The wrapper removes it itself
     unless it was SIGKILLed (a group kill by its owner); the owner calls this afterwards.
@@ -179,7 +191,7 @@ def remove_private_tmp(wrapper_pid: int) -> None:
         stat = ""
     if stat and stat[stat.rfind(")") + 2 :].split()[0] != "Z":  # not a zombie: still runs
         return
-    for path in Path(tempfile.gettempdir()).glob(_scratch_prefix(wrapper_pid) + "*"):
+    for path in Path(_scratch_base()).glob(_scratch_prefix(wrapper_pid) + "*"):
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -215,7 +227,9 @@ def main(args: list[str]) -> int:
     with contextlib.suppress(OSError):  # an old kernel: orphans that left the group are
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # not found by the final sweep
     me = os.getpid()
-    scratch = tempfile.mkdtemp(prefix=_scratch_prefix(me)) if private_tmp else None
+    scratch = (
+        tempfile.mkdtemp(prefix=_scratch_prefix(me), dir=_scratch_base()) if private_tmp else None
+    )
     env = None if scratch is None else {**os.environ, "TMPDIR": scratch}
     child = subprocess.Popen(rest[1:], env=env, preexec_fn=lambda: _child_setup(me))
 

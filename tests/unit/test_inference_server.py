@@ -151,9 +151,10 @@ def test_start_sets_version_and_stop_kills_the_process_group(tmp_path: Path) -> 
     assert wait_until(lambda: not pid_alive(child_pid)), "engine child survived stop()"
 
 
-def test_dead_server_is_restarted_with_its_last_weights(tmp_path: Path, monkeypatch) -> None:
-    base = tmp_path / "tmp"
-    base.mkdir()
+def test_dead_server_is_restarted_with_its_last_weights(
+    tmp_path: Path, short_tmp_path: Path, monkeypatch
+) -> None:
+    base = short_tmp_path  # a socket path must fit under it
     _tmpdir(monkeypatch, base)
     server = make_server(tmp_path)
     server.start()
@@ -266,10 +267,9 @@ def test_start_servers_prefers_the_configured_log_dir(tmp_path: Path, monkeypatc
 
 
 def test_server_left_by_a_crashed_owner_is_reaped_on_next_start(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, short_tmp_path: Path, monkeypatch
 ) -> None:
-    base = tmp_path / "tmp"
-    base.mkdir()
+    base = short_tmp_path  # a socket path must fit under it
     _tmpdir(monkeypatch, base)  # where the servers' private TMPDIRs go
     first = make_server(tmp_path)
     first.start()

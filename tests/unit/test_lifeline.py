@@ -133,11 +133,12 @@ TMP_OWNER = textwrap.dedent(
 )
 
 
-def test_a_private_tmp_goes_with_its_child_however_the_owner_ends(tmp_path, monkeypatch):
+def test_a_private_tmp_goes_with_its_child_however_the_owner_ends(
+    tmp_path, short_tmp_path, monkeypatch
+):
     """vLLM leaves sockets and a rendezvous file in ``TMPDIR``: under ``private_tmp`` they live
     in a folder of the child's own, removed after a normal exit and after the owner's SIGKILL."""
-    base = tmp_path / "tmp"
-    base.mkdir()
+    base = short_tmp_path  # a socket path must fit under it
     monkeypatch.setenv("TMPDIR", str(base))  # where the wrapper makes the child's folder
     argv, fds = lifeline.wrap(["sh", "-c", 'touch "$TMPDIR/x"; echo $TMPDIR'], private_tmp=True)
     assert lifeline.wrapped_command(argv) == ["sh", "-c", 'touch "$TMPDIR/x"; echo $TMPDIR']
@@ -145,6 +146,14 @@ def test_a_private_tmp_goes_with_its_child_however_the_owner_ends(tmp_path, monk
     scratch = Path(done.stdout.strip())
     assert scratch.parent == base and scratch.name.startswith("sandpiper-tmp-")
     assert list(base.iterdir()) == []  # removed with the files the child left
+
+    # a temp folder too long for a socket path inside it: the private folder goes to /tmp
+    long = tmp_path / ("x" * 60)
+    long.mkdir()
+    env = {**os.environ, "TMPDIR": str(long)}
+    done = subprocess.run(argv, pass_fds=fds, capture_output=True, text=True, check=True, env=env)
+    assert Path(done.stdout.strip()).parent == Path("/tmp")
+    assert not Path(done.stdout.strip()).exists()
 
     out = tmp_path / "owner.out"
     with out.open("w") as f:
