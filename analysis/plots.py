@@ -12,6 +12,7 @@ that may coincide differ in colour, line style and marker.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,6 +27,30 @@ if TYPE_CHECKING:
 FIG_SIZE = (7.0, 3.6)
 ROLLING_EPISODES = 32
 """Window of the rolling mean in the reward-over-time plot."""
+
+
+LABEL_CHARS = 40
+"""Longest axis label drawn from the store (a task id, a tool name the policy made up)."""
+
+
+def _label(text: str) -> str:
+    """``text`` as one short, safe axis label: control characters shown as escapes, every
+    whitespace run (newlines too) one space, cut at :data:`LABEL_CHARS` with an ellipsis.
+    A label of thousands of characters left the plot no room: its axes collapsed."""
+    one_line = " ".join(neutralize(text).split())
+    return one_line if len(one_line) <= LABEL_CHARS else one_line[: LABEL_CHARS - 1] + "…"
+
+
+def _labels(texts: Iterable[str]) -> list[str]:
+    """:func:`_label` of each, numbered where two come out equal: a bar chart's categories
+    are its labels, and two equal labels would draw two bars on one row."""
+    seen: dict[str, int] = {}
+    out = []
+    for text in texts:
+        label = _label(text)
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label} ({seen[label]})")
+    return out
 
 
 def _figure() -> tuple[Figure, Axes]:
@@ -160,7 +185,7 @@ def pass_rate_by_task(df: pl.DataFrame, max_tasks: int = 30) -> Figure:
     rate = df["pass_rate"].to_numpy()
     n = df["n_valid"].to_numpy()
     lo, hi = wilson_interval(np.rint(rate * n), n)
-    ax.barh([neutralize(t) for t in df["task_id"]], rate, color="tab:green",
+    ax.barh(_labels(df["task_id"]), rate, color="tab:green",
             xerr=np.clip(np.vstack([rate - lo, hi - rate]), 0.0, None), error_kw={"lw": 1, "capsize": 2})  # fmt: skip
     ax.set(title=f"{title} (lowest {df.height}; {CONFIDENCE:.0%} Wilson intervals)",
            xlabel="pass rate", xlim=(0, 1))  # fmt: skip
@@ -228,7 +253,7 @@ def tool_usage(df: pl.DataFrame) -> Figure:
     if df.is_empty():
         _no_data(ax, title)
         return fig
-    tools = [neutralize(t) for t in df["tool"]]  # names the policy made up
+    tools = _labels(df["tool"])  # names the policy made up
     ok = (df["n_calls"] - df["n_errors"]).to_list()
     ax.barh(tools, ok, label="ran", color="tab:blue")
     timeouts = df["n_timeouts"].to_list()
@@ -250,10 +275,10 @@ def failure_breakdown(df: pl.DataFrame) -> Figure:
     if df.is_empty():
         _no_data(ax, title)
         return fig
-    labels = [
+    labels = _labels(
         f"{lvl}: {kind}{' (infra)' if infra else ''}"
         for lvl, kind, infra in zip(df["level"], df["kind"], df["infra"], strict=True)
-    ]
+    )
     colors = ["tab:red" if infra else "tab:gray" for infra in df["infra"]]
     ax.barh(labels, df["n"].to_list(), color=colors)
     ax.invert_yaxis()

@@ -132,3 +132,27 @@ def test_equal_series_stay_distinguishable() -> None:
     ax200 = plots.reward_by_version(_by_version(200)).axes[0]
     a, b = ax200.get_lines()[:2]
     assert a.get_linestyle() != b.get_linestyle() and a.get_color() != b.get_color()
+
+
+def test_labels_the_policy_made_up_stay_short_and_apart(recwarn):
+    """A tool name of thousands of characters (with newlines and escapes) collapsed the tool
+    plot's axes (matplotlib warned, the PNG had no room left for bars); labels are one
+    line of at most ``LABEL_CHARS`` now, and two names cut to the same label stay two bars."""
+    long = "PWNED\n" + "x" * 5000
+    df = pl.DataFrame(
+        {
+            "tool": [long, long + "y", "execute_bash", "\x1b]0;title\x07"],
+            "n_calls": [3, 2, 10, 1],
+            "n_errors": [1, 0, 2, 1],
+            "n_timeouts": [0, 0, 1, 0],
+            "duration_ms_p95": [5.0, 6.0, 40.0, 1.0],
+        }
+    )
+    fig = plots.tool_usage(df)
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert len(ticks) == len(set(ticks)) == 4, ticks
+    assert all(len(t) <= plots.LABEL_CHARS + 4 and "\n" not in t for t in ticks), ticks
+    assert "\\x1b]0;title\\x07" in ticks
+    assert fig.axes[0].get_position().height > 0.3  # the bars keep most of the figure
+    assert not [w for w in recwarn if "constrained_layout" in str(w.message)]
