@@ -76,6 +76,7 @@ def _launch(tmp: Path, model: Path, groups: bytes, launcher: str) -> dict:
     cmd += ["sandpiper.cli", "learn", "-c", str(config)]
     # the same thread setting under both launchers (see the module docstring)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env["TMPDIR"] = str(tmp)  # torchrun leaves a torchelastic_* folder in it, never removed
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
