@@ -108,12 +108,12 @@ async def sweep_stale_host_state() -> int:
     if not host_state.names_on_host() and not registered:
         return 0
     known = set((await run_podman("ps", "-a", "--format", "{{.Names}}")).decode().split())
-    old = time.time() - 2 * START_TIMEOUT_S  # another collector may be making its container
+    min_age_s = 2 * START_TIMEOUT_S  # another collector on this host may be making one
     for name in registered - known:
         with contextlib.suppress(OSError):
-            if (REGISTRY_DIR / f"{name}.json").stat().st_mtime < old:
+            if (REGISTRY_DIR / f"{name}.json").stat().st_mtime < time.time() - min_age_s:
                 remove_registry(name)
-    return host_state.sweep(known, min_age_s=2 * START_TIMEOUT_S)
+    return host_state.sweep(known, min_age_s=min_age_s)
 
 
 def _registered_names() -> set[str]:

@@ -33,7 +33,6 @@ from sandpiper.collector.sandbox.containers import (  # noqa: F401 (re-exported:
     list_containers,
     remove_containers,
     remove_containers_by_name,
-    remove_registry,
 )
 
 GRACE_S = 3600.0
@@ -112,7 +111,5 @@ async def gc(
     judged = await verdicts(store, ttl_s=ttl_s, grace_s=grace_s, filters=filters)
     orphans = [c.name for c, v in judged if v.orphan]
     if orphans and not dry_run:
-        await remove_containers_by_name(orphans)
-        for name in orphans:
-            remove_registry(name)
+        await remove_containers_by_name(orphans)  # registry entries too
     return orphans

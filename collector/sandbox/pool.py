@@ -39,7 +39,6 @@ from sandpiper.collector.sandbox.containers import (  # noqa: F401 (REGISTRY_DIR
     collector_id,
     read_registry,
     remove_containers,
-    remove_registry,
     sweep_stale_host_state,
     write_registry,
 )
@@ -157,8 +156,7 @@ class SandboxPool:
             self._spawn_start()
 
     async def _discard(self, box: PodmanSandbox) -> None:
-        await box.close()
-        remove_registry(box.id)
+        await box.close()  # its registry entry goes with the container
         if self._uids is not None and box.uid_slot is not None:
             self._uids.release(box.uid_slot)
 
