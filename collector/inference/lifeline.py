@@ -33,7 +33,10 @@ With ``private_tmp`` the child gets a temporary folder of its own (``TMPDIR``), 
 wrapper removes once the child and its group are gone, however the parent died (the owner
 removes it with :func:`remove_private_tmp` when it SIGKILLs the wrapper itself): vLLM leaves
 its ZeroMQ sockets and its ``vllm_dist_*`` rendezvous file in ``TMPDIR`` and never removes
-them (three sockets and a file per server start, in ``/tmp`` otherwise).
+them (three sockets and a file per server start, in ``/tmp`` otherwise). Caches stay where
+they were: torch keeps its compiled kernels in ``<temp folder>/torchinductor_<user>`` unless
+``TORCHINDUCTOR_CACHE_DIR`` says otherwise, so the child gets that variable pointing at the
+shared folder (a private one made every vLLM start compile its kernels again with g++).
 
 Signals sent to the wrapper alone (SIGTERM, SIGINT, SIGHUP) are passed on to the child.
 Limits: a descendant that leaves the group *and* double-forks before the wrapper sees it is
@@ -44,7 +47,9 @@ or is started by another service (podman's conmon) is not a descendant and is no
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -181,6 +186,25 @@ def _scratch_base() -> str:
     return base if longest <= SOCKET_PATH_MAX else "/tmp"
 
 
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _inductor_cache_dir() -> str:
+    """The folder torch compiles kernels into when ``TORCHINDUCTOR_CACHE_DIR`` is unset, under
+    the temp folder the child would have had (the rule of torch's ``default_cache_dir``)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    safe_user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + safe_user)
+
+
+def _private_env(scratch: str) -> dict[str, str]:
+    """The child's environment under ``private_tmp``: its own ``TMPDIR``, the shared kernel cache."""
+    return {INDUCTOR_CACHE: _inductor_cache_dir(), **os.environ, "TMPDIR": scratch}
+
+
 def remove_private_tmp(wrapper_pid: int) -> None:
     """Remove the private ``TMPDIR`` of a wrapper that is gone. The wrapper removes it itself
     unless it was SIGKILLed (a group kill by its owner); the owner calls this afterwards.
@@ -230,7 +254,7 @@ def main(args: list[str]) -> int:
     scratch = (
         tempfile.mkdtemp(prefix=_scratch_prefix(me), dir=_scratch_base()) if private_tmp else None
     )
-    env = None if scratch is None else {**os.environ, "TMPDIR": scratch}
+    env = None if scratch is None else _private_env(scratch)
     child = subprocess.Popen(rest[1:], env=env, preexec_fn=lambda: _child_setup(me))
 
     def forward(signum: int, _frame: object) -> None:

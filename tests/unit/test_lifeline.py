@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -146,6 +147,22 @@ def test_a_private_tmp_goes_with_its_child_however_the_owner_ends(
     scratch = Path(done.stdout.strip())
     assert scratch.parent == base and scratch.name.startswith("sandpiper-tmp-")
     assert list(base.iterdir()) == []  # removed with the files the child left
+
+    # torch's kernel cache stays in the shared temp folder, where the next start finds it
+    # (under the private folder every vLLM start compiled its kernels again)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # torch's rule, read under TMPDIR=base
+    show = ["sh", "-c", "echo $TORCHINDUCTOR_CACHE_DIR"]
+    argv_show, fds_show = lifeline.wrap(show, private_tmp=True)
+    done = subprocess.run(argv_show, pass_fds=fds_show, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == default_cache_dir()
+    assert Path(default_cache_dir()).parent == base  # where it was before the private folder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "kernels"))  # the user's wins
+    done = subprocess.run(argv_show, pass_fds=fds_show, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str(tmp_path / "kernels")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
 
     # a temp folder too long for a socket path inside it: the private folder goes to /tmp
     long = tmp_path / ("x" * 60)
