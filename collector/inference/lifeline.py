@@ -33,10 +33,10 @@ With ``private_tmp`` the child gets a temporary folder of its own (``TMPDIR``), 
 wrapper removes once the child and its group are gone, however the parent died (the owner
 removes it with :func:`remove_private_tmp` when it SIGKILLs the wrapper itself): vLLM leaves
 its ZeroMQ sockets and its ``vllm_dist_*`` rendezvous file in ``TMPDIR`` and never removes
-them (three sockets and a file per server start, in ``/tmp`` otherwise). Caches stay where
-they were: torch keeps its compiled kernels in ``<temp folder>/torchinductor_<user>`` unless
-``TORCHINDUCTOR_CACHE_DIR`` says otherwise, so the child gets that variable pointing at the
-shared folder (a private one made every vLLM start compile its kernels again with g++).
+them (three sockets and a file per server start, in ``/tmp`` otherwise). Torch's kernel cache
+stays shared: torch compiles into ``<temp folder>/torchinductor_<user>`` (its precompiled
+headers always there, ``TORCHINDUCTOR_CACHE_DIR`` or not), so that name in the private folder
+is a link to the shared one; a private copy made every vLLM start compile again with g++.
 
 Signals sent to the wrapper alone (SIGTERM, SIGINT, SIGHUP) are passed on to the child.
 Limits: a descendant that leaves the group *and* double-forks before the wrapper sees it is
@@ -186,23 +186,24 @@ def _scratch_base() -> str:
     return base if longest <= SOCKET_PATH_MAX else "/tmp"
 
 
-INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
-
-
-def _inductor_cache_dir() -> str:
-    """The folder torch compiles kernels into when ``TORCHINDUCTOR_CACHE_DIR`` is unset, under
-    the temp folder the child would have had (the rule of torch's ``default_cache_dir``)."""
+def _inductor_cache_name() -> str:
+    """The name of torch's kernel cache folder in the temp folder (the rule of torch's
+    ``default_cache_dir``)."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid_{os.getuid()}"
-    safe_user = re.sub(r'[\\/:*?"<>|]', "_", user)
-    return os.path.join(tempfile.gettempdir(), "torchinductor_" + safe_user)
+    return "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
 
 
-def _private_env(scratch: str) -> dict[str, str]:
-    """The child's environment under ``private_tmp``: its own ``TMPDIR``, the shared kernel cache."""
-    return {INDUCTOR_CACHE: _inductor_cache_dir(), **os.environ, "TMPDIR": scratch}
+def _make_private_tmp(wrapper_pid: int) -> str:
+    """A new private ``TMPDIR`` whose kernel cache name links to the shared cache."""
+    shared = os.path.join(tempfile.gettempdir(), _inductor_cache_name())
+    scratch = tempfile.mkdtemp(prefix=_scratch_prefix(wrapper_pid), dir=_scratch_base())
+    with contextlib.suppress(OSError):  # no shared cache: the child compiles into its own
+        os.makedirs(shared, exist_ok=True)
+        os.symlink(shared, os.path.join(scratch, _inductor_cache_name()))
+    return scratch
 
 
 def remove_private_tmp(wrapper_pid: int) -> None:
@@ -251,10 +252,8 @@ def main(args: list[str]) -> int:
     with contextlib.suppress(OSError):  # an old kernel: orphans that left the group are
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # not found by the final sweep
     me = os.getpid()
-    scratch = (
-        tempfile.mkdtemp(prefix=_scratch_prefix(me), dir=_scratch_base()) if private_tmp else None
-    )
-    env = None if scratch is None else _private_env(scratch)
+    scratch = _make_private_tmp(me) if private_tmp else None
+    env = None if scratch is None else {**os.environ, "TMPDIR": scratch}
     child = subprocess.Popen(rest[1:], env=env, preexec_fn=lambda: _child_setup(me))
 
     def forward(signum: int, _frame: object) -> None:

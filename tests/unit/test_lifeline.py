@@ -134,6 +134,10 @@ TMP_OWNER = textwrap.dedent(
 )
 
 
+def _private_folders(base: Path) -> list[Path]:
+    return list(base.glob("sandpiper-tmp-*"))
+
+
 def test_a_private_tmp_goes_with_its_child_however_the_owner_ends(
     tmp_path, short_tmp_path, monkeypatch
 ):
@@ -146,23 +150,20 @@ def test_a_private_tmp_goes_with_its_child_however_the_owner_ends(
     done = subprocess.run(argv, pass_fds=fds, capture_output=True, text=True, check=True)
     scratch = Path(done.stdout.strip())
     assert scratch.parent == base and scratch.name.startswith("sandpiper-tmp-")
-    assert list(base.iterdir()) == []  # removed with the files the child left
+    assert _private_folders(base) == []  # removed with the files the child left
 
-    # torch's kernel cache stays in the shared temp folder, where the next start finds it
-    # (under the private folder every vLLM start compiled its kernels again)
+    # torch's kernel cache stays shared, where the next start finds it: what the child
+    # compiles into its temp folder's cache lands in the cache torch uses without a private
+    # folder, and stays (a private copy made every vLLM start compile its kernels again)
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", None)  # torch's rule, read under TMPDIR=base
-    show = ["sh", "-c", "echo $TORCHINDUCTOR_CACHE_DIR"]
-    argv_show, fds_show = lifeline.wrap(show, private_tmp=True)
-    done = subprocess.run(argv_show, pass_fds=fds_show, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == default_cache_dir()
-    assert Path(default_cache_dir()).parent == base  # where it was before the private folder
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "kernels"))  # the user's wins
-    done = subprocess.run(argv_show, pass_fds=fds_show, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == str(tmp_path / "kernels")
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    shared = Path(default_cache_dir())
+    assert shared.parent == base
+    compile_ = ["sh", "-c", f'touch "$TMPDIR/{shared.name}/kernel.so"']
+    argv_compile, fds_compile = lifeline.wrap(compile_, private_tmp=True)
+    subprocess.run(argv_compile, pass_fds=fds_compile, check=True)
+    assert (shared / "kernel.so").is_file() and _private_folders(base) == []
 
     # a temp folder too long for a socket path inside it: the private folder goes to /tmp
     long = tmp_path / ("x" * 60)
@@ -177,15 +178,16 @@ def test_a_private_tmp_goes_with_its_child_however_the_owner_ends(
         owner = subprocess.Popen([sys.executable, "-c", TMP_OWNER], cwd=REPO, stdout=f)
     try:
         deadline = time.monotonic() + 30
-        while not (base.exists() and any(p.glob("ipc-socket") for p in base.iterdir())):
+        while not any(p.glob("ipc-socket") for p in _private_folders(base)):
             assert time.monotonic() < deadline, out.read_text()
             time.sleep(0.05)
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=10)
         deadline = time.monotonic() + lifeline.GRACE_S + 10
-        while list(base.iterdir()) and time.monotonic() < deadline:
+        while _private_folders(base) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert list(base.iterdir()) == []
+        assert _private_folders(base) == []
+        assert (shared / "kernel.so").is_file()  # the link went, not what it points to
     finally:
         if owner.poll() is None:
             owner.kill()
