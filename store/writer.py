@@ -149,8 +149,7 @@ class GroupWriter:
         with self._cond:
             self._pending[group.group_id] = (group, path)
             self._pending_episodes += len(group.episodes)
-            if self._pending_episodes >= self.flush_max_episodes:
-                self._cond.notify_all()
+            self._cond.notify_all()  # starts the batch's clock, or commits a full batch now
 
     def pending(self) -> int:
         """Groups acknowledged but not committed yet."""
@@ -211,23 +210,28 @@ class GroupWriter:
     # ---- background thread ------------------------------------------------------------------
 
     def _take_batch(self) -> list[tuple[GroupRecord, Path]] | None:
-        """Wait until a batch is due; None when closed with nothing left."""
+        """Wait until a batch is due: ``flush_interval_s`` after the oldest waiting group came
+        (or at once on a flush, a close or ``flush_max_episodes``); None when closed with
+        nothing left. With nothing waiting it sleeps until :meth:`put` (or a flush, close or
+        abandon) wakes it: a timeout that ran out with nothing pending spun a core."""
         with self._cond:
-            due = time.monotonic() + self.flush_interval_s
+            due = time.monotonic() + self.flush_interval_s if self._pending else None
             while True:
                 if self._abandoned:
                     return None
-                if self._pending and (
-                    self._flush_requested
-                    or self._closed
-                    or self._pending_episodes >= self.flush_max_episodes
-                    or time.monotonic() >= due
-                ):
-                    self._flush_requested = False
-                    return list(self._pending.values())
-                if self._closed:
+                if self._pending:
+                    due = due if due is not None else time.monotonic() + self.flush_interval_s
+                    if (
+                        self._flush_requested
+                        or self._closed
+                        or self._pending_episodes >= self.flush_max_episodes
+                        or time.monotonic() >= due
+                    ):
+                        self._flush_requested = False
+                        return list(self._pending.values())
+                elif self._closed:
                     return None
-                self._cond.wait(timeout=max(0.0, min(due - time.monotonic(), 0.5)))
+                self._cond.wait(timeout=None if due is None else max(0.0, due - time.monotonic()))
 
     def _run(self) -> None:
         failures = 0

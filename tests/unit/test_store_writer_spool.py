@@ -536,3 +536,44 @@ def test_abandon_leaves_the_groups_spooled_and_releases_the_spool(tmp_path):
         again.flush(timeout_s=30)
         assert again.committed_groups == 1
     assert store.group_ids("run") == ["g0"] and calls
+
+
+def test_an_idle_writer_sleeps_and_a_new_group_waits_for_its_batch(store, tmp_path):
+    """With nothing to commit the writer thread sleeps until a group comes (a wait whose
+    timeout had run out with nothing pending spun a core in every collector, ~1 CPU-second
+    per second), and a group put into an idle writer is committed ``flush_interval_s`` later,
+    in one batch with the groups that came meanwhile."""
+    import time
+
+    from sandpiper.store.writer import GroupWriter
+
+    batches: list[int] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def write_groups_report(self, groups):
+            batches.append(len(groups))
+            return store.write_groups_report(groups)
+
+    interval = 1.0
+    spool_dir = str(tmp_path / "spool")
+    with GroupWriter(Counting(), flush_interval_s=interval, flush_max_episodes=1000,
+                     spool_dir=spool_dir) as w:  # fmt: skip
+        w.put(make_group("g0"))
+        w.flush(timeout_s=30)
+        cpu = time.process_time()
+        time.sleep(2 * interval)  # idle: nothing pending, the clock long past
+        idle_cpu = time.process_time() - cpu
+        assert idle_cpu < 0.3 * interval, f"an idle writer used {idle_cpu:.2f} CPU-s"
+
+        put_at = time.monotonic()
+        w.put(make_group("g1"))
+        w.put(make_group("g2"))
+        deadline = put_at + 30
+        while w.committed_groups < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        waited = time.monotonic() - put_at
+    assert w.committed_groups == 3 and batches == [1, 2], batches
+    assert waited >= 0.9 * interval  # batched, not committed the moment it came
