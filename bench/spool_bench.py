@@ -19,7 +19,11 @@ the last line is one JSON object):
 ``ratio_put_ms_p50_<format>_vs_pickle`` and ``ratio_bytes_<format>_vs_pickle`` compare each
 IPC variant with the pickle in the same run (> 1: slower / bigger than the pickle). The
 order of formats rotates every round, so drift of the machine's load spreads over all.
-``put`` of a real ``GroupWriter`` is also timed with the default format (``writer_put_ms_p50``).
+``put`` of a real ``GroupWriter`` is also timed with the default format (``writer_put_ms_p50``),
+and its idle cost: ``writer_idle_cpu_per_s`` is the process's CPU-seconds per second while an
+open writer has nothing to commit (a collector between groups), beside
+``baseline_idle_cpu_per_s``, the same process idle with no writer, measured in the same run
+(goal: <= 0.01, a hundredth of a core; a writer that polled spun a whole core).
 ``--random`` draws token ids and logprobs at random (``make_group``'s regular ids compress
 far better than sampled text does).
 
@@ -88,6 +92,17 @@ def _p50(xs: list[float]) -> float:
     return round(statistics.median(xs), 3)
 
 
+IDLE_S = 3.0
+"""How long the idle cost is measured, with and without an open writer."""
+
+
+def _idle_cpu_per_s(seconds: float) -> float:
+    """CPU-seconds this process (all its threads) uses per second while the caller sleeps."""
+    cpu = time.process_time()
+    time.sleep(seconds)
+    return (time.process_time() - cpu) / seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--groups", type=int, default=40)
@@ -151,6 +166,11 @@ def main() -> None:
                 w.put(g)
                 writer_ms.append((time.perf_counter() - t0) * 1e3)
             w.flush()
+        baseline_idle = _idle_cpu_per_s(IDLE_S)
+        with store.writer(spool_dir=str(base / "idle"), flush_interval_s=0.05) as w:
+            w.put(groups[0])
+            w.flush()
+            writer_idle = _idle_cpu_per_s(IDLE_S)
         store.close()
 
     out: dict[str, object] = {
@@ -159,6 +179,8 @@ def main() -> None:
         "tokens": "random (zipf)" if args.random else "make_group",
         "default_compression": spool.COMPRESSION,
         "writer_put_ms_p50": _p50(writer_ms),
+        "writer_idle_cpu_per_s": round(writer_idle, 4),
+        "baseline_idle_cpu_per_s": round(baseline_idle, 4),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     for k in formats:
