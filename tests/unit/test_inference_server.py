@@ -176,11 +176,11 @@ def test_dead_server_is_restarted_with_its_last_weights(
             ("/update_weight_version", {"new_version": "7"}),
         ]
         # the killed server's private TMPDIR was removed, the new one's is there
-        (scratch,) = base.iterdir()
+        (scratch,) = base.glob("sandpiper-tmp-*")
         assert scratch.name.startswith(f"sandpiper-tmp-{server.pid}-")
     finally:
         server.stop()
-    assert list(base.iterdir()) == []
+    assert list(base.glob("sandpiper-tmp-*")) == []
 
 
 def test_server_that_dies_during_start_up_reports_its_log(tmp_path: Path) -> None:
@@ -279,7 +279,7 @@ def test_server_left_by_a_crashed_owner_is_reaped_on_next_start(
     second = make_server(tmp_path)
     second.port = first.port
     try:
-        (scratch,) = base.iterdir()  # the wrapper's private TMPDIR, named by its pid
+        (scratch,) = base.glob("sandpiper-tmp-*")  # the wrapper's private TMPDIR, named by its pid
         assert scratch.name.startswith(f"sandpiper-tmp-{orphan_pid}-")
         second.start()
         assert wait_until(lambda: not pid_alive(orphan_pid)), "orphan not reaped"
@@ -290,4 +290,4 @@ def test_server_left_by_a_crashed_owner_is_reaped_on_next_start(
         first._proc = None  # already reaped; do not signal a recycled pid
     assert not tmp_path.joinpath("server.pid").exists()
     # the SIGKILLed orphan's private TMPDIR went with it, the stopped server's too
-    assert list(base.iterdir()) == []
+    assert list(base.glob("sandpiper-tmp-*")) == []
