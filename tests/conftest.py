@@ -125,6 +125,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The same refusal with a readable message, before any worker starts: pytest-xdist 3.8
+    appends a test's group by assigning ``item._nodeid``, which pytest 9.2 no longer reads
+    (a worker's refusal below only shows as an INTERNALERROR of the controller)."""
+    from _pytest.nodes import Node
+
+    grouped = config.getoption("dist", None) == "loadgroup"
+    if grouped and "_nodeid" not in getattr(Node, "__slots__", ("_nodeid",)):
+        raise pytest.UsageError(XDIST_GROUPS_LOST.format(f"pytest {pytest.__version__}"))
+
+
+XDIST_GROUPS_LOST = (
+    "pytest-xdist cannot group tests ({}): this pytest and pytest-xdist do "
+    "not work together (a module's tests and the shared vLLM server's would be scattered over "
+    "the workers); install the versions in constraints.txt"
+)
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")  # after xdist's own
+def pytest_refuse_lost_xdist_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` a worker sends the scheduler each test's id with its group
+    after an ``@``; a pytest that pytest-xdist cannot append it for (9.2 with xdist 3.8)
+    made every group void: a module's tests, and the shared vLLM server's, were scattered
+    over the workers (a second server started, module fixtures once per worker). Refuse."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    lost = [i.nodeid for i in items if any(i.iter_markers("xdist_group"))
+            and "@" not in i.nodeid]  # fmt: skip
+    if lost:
+        raise pytest.UsageError(
+            XDIST_GROUPS_LOST.format(f"{len(lost)} lost their group, e.g. {lost[0]}")
+        )
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Render a failure with the garbage collector paused.
