@@ -231,11 +231,19 @@ def claim_slots(
     c = T.collectors
     # claiming proves the claimer alive: never reap slots issued a moment ago because
     # the heartbeat loop has not run yet (e.g. a slow start-up after registration)
-    conn.execute(
+    alive = conn.execute(
         sa.update(c)
         .where(c.c.collector_id == collector_id, c.c.stopped_at.is_(None))
         .values(heartbeat_at=sa.func.now())
+    ).rowcount
+    stopped = (
+        not alive
+        and conn.execute(
+            sa.select(c.c.stopped_at).where(c.c.collector_id == collector_id)
+        ).scalar_one_or_none()
     )
+    if stopped:  # a claim left running by a stop would lease slots nobody frees until the TTL
+        raise StoreError(f"collector {collector_id} is stopped: it claims no slots")
     reap(conn, run_id=run_id, ttl_s=ttl_s, skip_locked=backends.is_postgres(conn))
     for _ in range(n + 8):  # another collector may take the round we add; add another
         if len(leases) >= n:

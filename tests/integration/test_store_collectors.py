@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import sqlalchemy as sa
 
-from sandpiper.errors import DuplicateGroupError
+from sandpiper.errors import DuplicateGroupError, StoreError
 from sandpiper.store import Store, migrations
 from sandpiper.store.records import RunRecord, SlotLease, WriteOutcome
 from sandpiper.store.slots import task_rank
@@ -112,6 +112,11 @@ def test_stopping_frees_leases_and_a_late_group_of_a_free_slot_is_still_stored(s
     # nobody took the slot yet: the last holder's group (e.g. replayed from its spool) fills it
     assert store.write_groups([_group(lease)]) == 1
     assert store.slot_counts("run")["done"] == 1
+    # a claim that a stop left running (the collector stopped while the store was slow)
+    # leases nothing: its slots would stay leased, by nobody, until the heartbeat TTL
+    with pytest.raises(StoreError, match="is stopped"):
+        _claim(store, a)
+    assert store.slot_counts("run")["leased"] == 0
 
 
 def test_concurrent_claims_never_share_a_slot(store_url, store):  # noqa: F811
