@@ -148,8 +148,10 @@ def test_listen_serves_one_peer_over_a_unix_socket_and_unlinks_it(tmp_path):
     import socket
 
     path = tmp_path / "s"
+    # stdin stays open, as the host's `podman exec` pipe does: at its end-of-file a shell
+    # that is not connected yet exits (DEVNULL made this test race its own connect)
     proc = subprocess.Popen([*SUPERVISOR, "--listen", str(path)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)  # fmt: skip
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
     try:
         ready = json.loads(proc.stdout.readline())
         assert ready["ready"] and ready["socket"] == str(path)
@@ -171,6 +173,7 @@ def test_listen_serves_one_peer_over_a_unix_socket_and_unlinks_it(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        proc.stdin.close()
 
 
 def test_endless_writers_still_meet_the_deadline_and_the_drain(shell):
