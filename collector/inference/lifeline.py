@@ -206,15 +206,21 @@ def _make_private_tmp(wrapper_pid: int) -> str:
     return scratch
 
 
+def runs(pid: int) -> bool:
+    """Whether process ``pid`` still runs: it exists and is not a zombie (a killed child
+    whose parent has not reaped it yet holds no port, socket or memory any more)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].split()[0] != "Z"
+
+
 def remove_private_tmp(wrapper_pid: int) -> None:
     """Remove the private ``TMPDIR`` of a wrapper that is gone. The wrapper removes it itself
     unless it was SIGKILLed (a group kill by its owner); the owner calls this afterwards.
     Nothing is removed while a process with that pid runs (a recycled pid's own folder)."""
-    try:
-        stat = Path(f"/proc/{wrapper_pid}/stat").read_text()
-    except OSError:
-        stat = ""
-    if stat and stat[stat.rfind(")") + 2 :].split()[0] != "Z":  # not a zombie: still runs
+    if runs(wrapper_pid):
         return
     for path in Path(_scratch_base()).glob(_scratch_prefix(wrapper_pid) + "*"):
         shutil.rmtree(path, ignore_errors=True)

@@ -224,7 +224,7 @@ class VLLMServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
             deadline = time.monotonic() + 10
-            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            while lifeline.runs(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             lifeline.remove_private_tmp(pid)
         pid_file.unlink(missing_ok=True)
