@@ -258,3 +258,21 @@ def test_close_writer_abandons_a_writer_that_holds_groups():
     close_writer(holding)
     close_writer(empty)
     assert not holding.closed and holding.abandoned and empty.closed and not empty.abandoned
+
+
+def test_a_killed_child_not_yet_reaped_no_longer_runs():
+    """An orphaned server is replaced as soon as it is dead; a zombie (killed, its parent
+    not waiting yet) holds no port, so waiting for its process entry to vanish waited 10 s."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert lifeline.runs(child.pid)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while lifeline.runs(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not lifeline.runs(child.pid)
+        assert Path(f"/proc/{child.pid}").exists()  # a zombie: not reaped yet
+    finally:
+        child.kill()
+        child.wait()
+    assert not lifeline.runs(child.pid)
