@@ -291,3 +291,19 @@ def test_sandbox_env_runs_the_task_with_sandpipers_toolbox_and_reward(suite) -> 
     finally:
         runtime.close()
         race_trl.RUNTIME = None
+
+
+def test_the_trl_side_saves_before_every_mark_when_a_step_runs_longer():
+    """Steps of the 10-minute race that missed its 2- and 4-minute marks with a save planned
+    one step ahead: each mark now has a checkpoint written before it, at most one step old."""
+    marks, budget = [120.0, 240.0, 600.0], 600.0
+    ends = [114.0, 120.6, 127.1, 234.0, 240.5, 590.0, 596.0, 601.0]  # step end times
+    saved, last = [], 108.1
+    for end in ends:
+        if race_trl.save_before_mark(end, end - last, marks, budget):
+            saved.append(end)
+        last = end
+    for mark in (120.0, 240.0, 600.0):
+        before = [t for t in saved if t <= mark]
+        assert before and mark - max(before) <= 7.0, (mark, saved)
+    assert 127.1 not in saved  # no save while the next mark is far
