@@ -1,7 +1,7 @@
 """The race: which system makes the model better per hour on this machine, Sandpiper or TRL?
 
     python bench/race_bench.py [--minutes 10] [--model tiny|smollm2] [--suite sum|peer]
-                               [--only trl|sandpiper] [--json]
+                               [--only trl|sandpiper|eval] [--json]
 
 Both sides start from the same checkpoint (its hash is printed), train on the same tasks for
 the same wall-clock budget, one after the other in this run, and are evaluated by one
@@ -291,7 +291,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=10.0, help="training budget per side")
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     p.add_argument("--suite", choices=("sum", "peer"), default="sum")
-    p.add_argument("--only", choices=SIDES, help="rerun one side (the other's results are kept)")
+    p.add_argument("--only", choices=(*SIDES, "eval"),
+                   help="rerun one side, or neither ('eval'), keeping the other results; "
+                        "the evaluation always runs again")  # fmt: skip
     p.add_argument("--eval-marks", type=int, default=5, help="evaluation points after the start")
     p.add_argument("--train-tasks", type=int, default=RaceSettings().train_tasks)
     p.add_argument("--heldout-tasks", type=int, default=RaceSettings().heldout_tasks)

@@ -94,6 +94,10 @@ class Harness:
         self._version = 0
 
     def __enter__(self) -> Harness:
+        # Every checkpoint is evaluated again: a previous evaluation's episodes (a rerun with
+        # ``--only``) would join the same run ids and double those points' samples.
+        for path in self.out.glob("eval.duckdb*"):
+            path.unlink()
         self.server.start()
         return self
 

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -307,3 +308,29 @@ def test_the_trl_side_saves_before_every_mark_when_a_step_runs_longer():
         before = [t for t in saved if t <= mark]
         assert before and mark - max(before) <= 7.0, (mark, saved)
     assert 127.1 not in saved  # no save while the next mark is far
+
+
+def test_an_evaluation_starts_from_an_empty_eval_store(tmp_path: Path, monkeypatch) -> None:
+    """A rerun (``--only``) evaluates every checkpoint again: the last evaluation's episodes
+    must not join the same run ids (they doubled the samples of the points evaluated twice)."""
+    from sandpiper.collector.inference import vllm_server
+
+    class Server:
+        def __init__(self, **kwargs) -> None:
+            self.started = False
+
+        def start(self) -> None:
+            self.started = True
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(vllm_server, "VLLMServer", Server)
+    out = tmp_path / "eval"
+    out.mkdir()
+    for name in ("eval.duckdb", "eval.duckdb.wal", "eval.log"):
+        (out / name).write_text("last evaluation")
+    cfg = SimpleNamespace(inference=SimpleNamespace(max_model_len=1024, kv_cache_gib=1))
+    with race_eval.Harness(cfg, start=tmp_path, heldout=tmp_path, out=out, samples=2) as harness:
+        assert harness.server.started
+        assert sorted(p.name for p in out.iterdir()) == ["eval.log"]
