@@ -13,6 +13,7 @@ Which checkpoint stands for a wall-clock mark: the newest one each side had writ
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -96,8 +97,8 @@ class Harness:
     def __enter__(self) -> Harness:
         # Every checkpoint is evaluated again: a previous evaluation's episodes (a rerun with
         # ``--only``) would join the same run ids and double those points' samples.
-        for path in self.out.glob("eval.duckdb*"):
-            path.unlink()
+        for path in self.out.glob("eval.duckdb*"):  # the file, its WAL, its spool folder
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         self.server.start()
         return self
 

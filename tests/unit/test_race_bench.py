@@ -330,6 +330,7 @@ def test_an_evaluation_starts_from_an_empty_eval_store(tmp_path: Path, monkeypat
     out.mkdir()
     for name in ("eval.duckdb", "eval.duckdb.wal", "eval.log"):
         (out / name).write_text("last evaluation")
+    (out / "eval.duckdb.spool" / "h1").mkdir(parents=True)  # the store's spool folder
     cfg = SimpleNamespace(inference=SimpleNamespace(max_model_len=1024, kv_cache_gib=1))
     with race_eval.Harness(cfg, start=tmp_path, heldout=tmp_path, out=out, samples=2) as harness:
         assert harness.server.started
