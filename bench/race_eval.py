@@ -98,7 +98,10 @@ class Harness:
         # Every checkpoint is evaluated again: a previous evaluation's episodes (a rerun with
         # ``--only``) would join the same run ids and double those points' samples.
         for path in self.out.glob("eval.duckdb*"):  # the file, its WAL, its spool folder
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
         self.server.start()
         return self
 

@@ -235,14 +235,16 @@ SAVE_AHEAD_STEPS = 2.0
 """Save when the next mark (or the budget's end) is within this many of the last step's
 lengths: a step only a little longer than the one before must not carry the side past a mark
 with no checkpoint (the mark would then read the start checkpoint's reward). With 1.0 the
-10-minute race missed its 2- and 4-minute marks (steps of 5.2 s and 6.5 s after 5.9 s)."""
+10-minute race missed its 2- and 4-minute marks (a 5.9 s step then one of 6.6 s ending past
+the mark; 5.3 s then 6.5 s)."""
 
 
 def save_before_mark(elapsed_s: float, step_s: float, marks: list[float], budget_s: float) -> bool:
     """Whether to save a checkpoint now, ``elapsed_s`` into the side's run after a step of
     ``step_s``; drops the marks already passed from ``marks`` (each of those gets the newest
     checkpoint written before it). Saves again at each step until the mark passes, so the
-    newest checkpoint before a mark is at most one step old."""
+    newest checkpoint before a mark is from the last step before it unless a step runs more
+    than twice as long as the one before."""
     while marks and marks[0] <= elapsed_s:
         marks.pop(0)
     ahead = elapsed_s + SAVE_AHEAD_STEPS * step_s
