@@ -31,6 +31,7 @@ async def evaluate(
     from sandpiper.collector.episode.loop import default_toolbox_factory, run_pooled_episode
     from sandpiper.collector.episode.tools import offered_schemas
     from sandpiper.collector.run_setup import open_store
+    from sandpiper.collector.sandbox.containers import STORE_LABEL
     from sandpiper.collector.sandbox.images import ImagePools
     from sandpiper.collector.tasks.loading import load_tasks
     from sandpiper.store.records import GroupRecord, GroupSampling, Split
@@ -47,7 +48,10 @@ async def evaluate(
     )
     chat = ChatEndpoint(endpoint_url, model, api_key=api_key)
     policy = ChatPolicy(chat, offered_schemas(cc.tools, cc.tool_descriptions))
-    pool = ImagePools(config.sandbox, labels={"sandpiper.run": config.name})
+    # the store's id, as a collector's pools have it: `sandpiper sandbox gc` on this store
+    # judges what a killed evaluation left
+    store_id = await asyncio.to_thread(store.store_id)
+    pool = ImagePools(config.sandbox, labels={"sandpiper.run": config.name, STORE_LABEL: store_id})
     await pool.start()
     slots = asyncio.Semaphore(cc.max_concurrent_episodes)
     writer = store.writer(spool_dir=config.store.spool_dir)

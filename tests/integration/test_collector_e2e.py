@@ -17,6 +17,7 @@ import sqlalchemy as sa
 
 from sandpiper.config import load_config
 from tests.conftest import REPO
+from tests.fixtures.sandbox import run_containers
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -55,12 +56,8 @@ def _config_toml(tmp_path: Path, vllm_server, *, name: str, tasks: str, **collec
     return path
 
 
-def _containers(run: str) -> list[str]:
-    out = subprocess.run(
-        ["podman", "ps", "-a", "--filter", f"label=sandpiper.run={run}", "--format", "{{.Names}}"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    return out.split()
+def _containers(config) -> list[str]:
+    return run_containers(config.name, config.store.url)
 
 
 def _rows(store, sql: str) -> list[tuple]:
@@ -114,7 +111,7 @@ def test_short_run_stores_token_exact_groups(vllm_server, sandbox_image, tmp_pat
     for episode in (e for g in batch.groups for e in g.episodes):
         n_sampled = sum(len(r[6]) for r in by_episode[episode.episode_id] if r[5])
         assert int(episode.loss_mask_T.sum()) == n_sampled
-    assert _containers("it-short") == []
+    assert _containers(config) == []
 
 
 def _start(toml: Path, log: Path, *extra: str) -> subprocess.Popen:
@@ -150,7 +147,7 @@ def test_sigkill_and_restart_no_duplicates_no_leftovers(vllm_server, sandbox_ima
         _wait_for_groups(store, 2, first, log, timeout_s=300)
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
-        assert _containers("it-crash"), "a killed collector leaves its containers behind"
+        assert _containers(config), "a killed collector leaves its containers behind"
         seen_before = set(store.group_ids("it-crash"))
         second = _start(toml, log)
         try:
@@ -161,7 +158,7 @@ def test_sigkill_and_restart_no_duplicates_no_leftovers(vllm_server, sandbox_ima
     finally:
         if first.poll() is None:
             first.kill()
-    assert _containers("it-crash") == []
+    assert _containers(config) == []
     ids = store.group_ids("it-crash")
     assert seen_before <= set(ids)
     per_group = _rows(store, "SELECT group_id, count(*) FROM episodes GROUP BY group_id")
@@ -226,7 +223,7 @@ def test_a_policy_registered_in_the_store_is_hot_loaded(vllm_server, sandbox_ima
     )
     assert (0, 0) in versions, versions  # groups sampled before the reload
     assert any(hi == 1 for _, hi in versions), versions  # and after it
-    assert _containers("it-reload") == []
+    assert _containers(config) == []
 
 
 def test_eval_mode_against_the_chat_endpoint(vllm_server, sandbox_image, tmp_path):
@@ -259,4 +256,4 @@ def test_eval_mode_against_the_chat_endpoint(vllm_server, sandbox_image, tmp_pat
     turns = _rows(store, "SELECT octet_length(token_ids) // 4, trainable FROM turns")
     assert turns and all(n_ids == 0 and not trainable for n_ids, trainable in turns)
     assert store.claim_batch(run_id="it-eval", learner_id="t", n_groups=1, max_lag=9) is None
-    assert _containers("it-eval") == []
+    assert _containers(config) == []

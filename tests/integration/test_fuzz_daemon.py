@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,6 +35,7 @@ import sqlalchemy as sa
 from sandpiper.config import RunConfig
 from tests.conftest import REPO, volume
 from tests.fixtures.fuzz import FuzzPolicy
+from tests.fixtures.sandbox import run_containers
 
 pytestmark = [
     pytest.mark.integration,
@@ -172,8 +172,4 @@ def test_hostile_turns_never_crash_the_daemon_and_every_episode_is_stored(
     assert not set(stops) - {"submitted", "max_turns", "no_tool_call", "sandbox_died"}, stops
     paid = [e for e in episodes if e[4] == "tests-task" and e[2] != 0.0]
     assert not paid, paid[:3]  # no hostile turn forged a reward for the wrong solution
-    left = subprocess.run(
-        ["podman", "ps", "-aq", "--filter", f"label=sandpiper.run={_run_name(store_url)}"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    assert left == []
+    assert run_containers(_run_name(store_url), url) == []

@@ -21,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.conftest import REPO
+from tests.fixtures.sandbox import run_containers
 from tests.unit.test_task_formats import LIS_ROWS, open_instruct_rows, rllm_record
 from tests.unit.test_task_formats_code import KADANE, PEER_TASKS, aviato_row
 
@@ -167,8 +168,4 @@ def test_peer_data_imported_and_evaluated_through_the_cli(sandbox_image, tmp_pat
         valid, stop, got_reward, error = by_task[task_id]
         assert valid and stop == "submitted", (task_id, stop, error)
         assert got_reward == pytest.approx(reward), (task_id, got_reward)
-    left = subprocess.run(
-        ["podman", "ps", "-a", "--filter", f"label=sandpiper.run={name}", "--format", "{{.Names}}"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    assert left == []
+    assert run_containers(name, f"duckdb:///{tmp_path / 'store.duckdb'}") == []

@@ -47,6 +47,7 @@ import pytest
 from sqlalchemy import text
 
 from tests.conftest import REPO, require
+from tests.fixtures.sandbox import run_containers
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -221,7 +222,7 @@ def test_smollm2_collects_learns_reloads_with_exact_logprobs(sandbox_image, tmp_
     finally:
         _stop(collector)
         _stop(learner)
-        left = _leftovers(collector, learner)  # removed even when the test failed
+        left = _leftovers(url, collector, learner)  # removed even when the test failed
     print(f"first version-1 episode after {time.monotonic() - started:.0f} s")
     assert not left, f"left behind: {left}"
 
@@ -252,7 +253,7 @@ def test_smollm2_collects_learns_reloads_with_exact_logprobs(sandbox_image, tmp_
     assert n_tokens > 0 and kl < 1e-3
 
 
-def _leftovers(*procs: subprocess.Popen) -> list[str]:
+def _leftovers(url: str, *procs: subprocess.Popen) -> list[str]:
     """Processes of the children's sessions (vLLM server, DeepSpeed workers) and containers
     of this run still there after the children stopped; killed and removed here."""
     deadline = time.monotonic() + 30
@@ -262,10 +263,7 @@ def _leftovers(*procs: subprocess.Popen) -> list[str]:
         time.sleep(0.5)
     for pid in alive:
         os.killpg(pid, signal.SIGKILL)
-    containers = subprocess.run(
-        ["podman", "ps", "-aq", "--filter", f"label=sandpiper.run={RUN_NAME}"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+    containers = run_containers(RUN_NAME, url)
     if containers:
         subprocess.run(["podman", "rm", "-f", *containers], capture_output=True)
     return [f"session {pid}" for pid in alive] + [f"container {c}" for c in containers]

@@ -29,6 +29,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.conftest import REPO
+from tests.fixtures.sandbox import run_containers
 from tests.integration.test_store_backends import _fresh_pg_db
 
 # The first test to use the session's vLLM server pays for its start-up inside this limit.
@@ -119,15 +120,8 @@ def _wait(cond, what: str, logs: list[Path], timeout_s: float = 600, poll_s: flo
         time.sleep(poll_s)
 
 
-def _containers() -> list[str]:
-    return subprocess.run(
-        ["podman", "ps", "-a", "--filter", "label=sandpiper.run=so", "--format", "{{.Names}}"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-
-
-def _remove_containers() -> None:
-    names = _containers()
+def _remove_containers(store_url: str) -> None:
+    names = run_containers("so", store_url)
     if names:
         subprocess.run(["podman", "rm", "-f", *names], capture_output=True, check=False)
 
@@ -208,7 +202,7 @@ def test_two_collectors_two_rank_leader_killed_standby_finishes(
             os.killpg(procs[name].pid, signal.SIGKILL)
             procs[name].wait(timeout=60)
         if any(n.startswith("col-") for n in killed):  # a failed run: leave no container
-            _remove_containers()
+            _remove_containers(store_url)
 
     standby_log = logs["standby"].read_text()
     assert f"standby: run so is led by learner {leader_id}" in standby_log
@@ -247,7 +241,7 @@ def test_two_collectors_two_rank_leader_killed_standby_finishes(
         server_log = tmp_path / f"runs-{host}" / "so" / f"vllm-{ports[name]}.log"
         assert server_log.is_file(), f"{name} launched no vLLM server of its own"
     # Nothing left running: no sandbox container, no learner, collector or vLLM server.
-    assert _containers() == []
+    assert run_containers("so", store_url) == []
     assert killed == [], f"still running 15 s after they stopped: {killed}"
     for port in ports.values():
         with socket.socket() as s:
