@@ -19,7 +19,9 @@ demo: setup  ## run the whole pipeline on configs/demo.toml (the tiny model)
 # targets run in TEST_WORKERS pytest-xdist processes; each runs a test module's tests in
 # order, and one of them runs every test of the shared vLLM server (one server, not one each).
 # Groups start in collection order (e2e, integration, unit), so the longest start first.
-TEST_WORKERS ?= 2
+# Three on the 2-core machine: the third fills the time the others wait on a timeout, a kill
+# or a container (docs/testing.md, "Where the time goes"); set it to your cores + 1.
+TEST_WORKERS ?= 3
 XDIST = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test: setup  ## every test, all tiers (unit, integration, e2e) in parallel
