@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -215,3 +216,33 @@ def test_the_root_handler_follows_stderr_when_it_is_replaced(monkeypatch):
         log.removeHandler(handler)
         log.propagate = True
     assert second.getvalue() == "two\n"
+
+
+@pytest.mark.slow
+def test_xdist_workers_get_their_share_of_the_cores_unless_the_user_set_it(tmp_path):
+    """A child ``pytest -n 2`` with this conftest: each worker's torch runs cores / 2 threads
+    (at least 1), not the controller's all-cores value it inherits; a value the user set wins.
+    Costs ~15 s (two child runs of two workers)."""
+    test = tmp_path / "test_child.py"
+    test.write_text(
+        "import os, torch\n"
+        "def test_threads():\n"
+        "    print('THREADS', os.environ['OMP_NUM_THREADS'], torch.get_num_threads())\n"
+        "    assert False\n"
+    )
+
+    def threads(**extra: str) -> set[str]:
+        env = {k: v for k, v in ENV.items() if not k.startswith(("OMP_", "SANDPIPER_TEST_OMP"))}
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+             "-n", "2", "--rootdir", str(tmp_path), str(test)],
+            capture_output=True, text=True, env={**env, **extra}, cwd=REPO, timeout=300,
+        )  # fmt: skip
+        found = set(re.findall(r"THREADS (\d+) (\d+)", done.stdout))
+        assert found, done.stdout[-3000:] + done.stderr[-3000:]
+        return {f"{env_value}/{torch_value}" for env_value, torch_value in found}
+
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    assert threads() == {f"{share}/{share}"}
+    # (torch caps its own count at the machine's cores; the variable is what children inherit)
+    assert {value.split("/")[0] for value in threads(OMP_NUM_THREADS="3")} == {"3"}
