@@ -49,7 +49,7 @@ _OMP_SET_HERE = "SANDPIPER_TEST_OMP_NUM_THREADS"
 """The ``OMP_NUM_THREADS`` this file set. xdist workers inherit the controller's environment,
 where this file ran first with one "worker" (all the cores): a worker that kept that value,
 as ``setdefault`` did, ran torch with every core's thread while its neighbours did the same
-(an in-process 30-step learner: 10 s alone, 100-300 s in the suite). An equal value is ours
+(an in-process 30-step learner: 10 s alone, 114-141 s in three full runs). An equal value is ours
 to replace; any other came from the user and wins."""
 if os.environ.get("OMP_NUM_THREADS") in (None, os.environ.get(_OMP_SET_HERE)):
     os.environ["OMP_NUM_THREADS"] = os.environ[_OMP_SET_HERE] = str(
