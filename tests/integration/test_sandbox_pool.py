@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -416,33 +417,71 @@ def test_close_during_resets_leaves_no_host_state(sandbox_pool):
 
 
 def test_a_start_cancelled_mid_way_leaves_no_container_or_runc_behind(
-    sandbox_config, sandbox_image
+    sandbox_config, sandbox_image, monkeypatch
 ):
     """Cancelling ``PodmanSandbox.create`` while ``podman run`` is under way (a pool closed
     while it warms up) lets the run finish and removes the container: killing the podman
     client between runc's create and start left a ``runc init`` and its conmon behind,
-    which no removal by name or label reached."""
-    from sandpiper.collector.sandbox.client import PodmanSandbox
+    which no removal by name or label reached.
+
+    Only this test's containers count: other tests start containers (with their conmon and
+    ``runc init``) on the same host meanwhile. A conmon names its container on its command
+    line; a ``runc init`` is a child of its container's conmon."""
+    from sandpiper.collector.sandbox import client
+
+    names: list[str] = []
+    container_argv = client.container_argv
+
+    def recording_argv(config, *, name, **kwargs):
+        names.append(name)
+        return container_argv(config, name=name, **kwargs)
+
+    monkeypatch.setattr(client, "container_argv", recording_argv)
+
+    def cmdline(pid: str) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
+    def parent(pid: str) -> str:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            return "0"
+
+    def ours(cmd: bytes) -> bool:
+        return b"/conmon\0" in cmd and any(name.encode() in cmd for name in names)
 
     def runc_and_conmon() -> set[int]:
         found = set()
-        for pid in os.listdir("/proc"):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if cmd.startswith((b"runc\0init", b"/usr/bin/runc\0init")) or b"/conmon\0" in cmd:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            cmd = cmdline(pid)
+            runc_init = cmd.startswith((b"runc\0init", b"/usr/bin/runc\0init"))
+            if ours(cmd) or (runc_init and ours(cmdline(parent(pid)))):
                 found.add(int(pid))
         return found
 
-    before = runc_and_conmon()
     run = f"cancel-test-{os.getpid()}"
+    uid_base = 1_000_000 + 65536 * 1200
 
     async def go():
-        for delay in (0.05, 0.2, 0.4, 0.6):
+        # the filter is not vacuous: a running container of this test is found by it
+        started = time.monotonic()
+        box = await client.PodmanSandbox.create(
+            sandbox_config, labels={"sandpiper.run": run}, uid_base=uid_base
+        )
+        full_s = time.monotonic() - started
+        try:
+            assert runc_and_conmon(), f"no conmon names {box.id}"
+        finally:
+            await box.close()
+        # without the fix, a cancel at 0.2-0.35 of a whole start left the two behind (2-4 of
+        # 15-19 cancels here); sweep that part of this host's start time
+        for delay in (full_s * f / 20 for f in range(2, 13)):
             task = asyncio.create_task(
-                PodmanSandbox.create(
-                    sandbox_config, labels={"sandpiper.run": run}, uid_base=1_000_000 + 65536 * 1200
+                client.PodmanSandbox.create(
+                    sandbox_config, labels={"sandpiper.run": run}, uid_base=uid_base
                 )
             )
             await asyncio.sleep(delay)
@@ -454,9 +493,13 @@ def test_a_start_cancelled_mid_way_leaves_no_container_or_runc_behind(
 
     try:
         assert asyncio.run(go()) == set()
+        assert len(names) == 12
         deadline = time.monotonic() + 10
-        while (left := runc_and_conmon() - before) and time.monotonic() < deadline:
+        while (left := runc_and_conmon()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not left, left
     finally:
         asyncio.run(remove_containers({"sandpiper.run": run}))
+        for pid in runc_and_conmon():  # what a failed run left: this test's, by pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
