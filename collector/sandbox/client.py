@@ -161,19 +161,22 @@ class PodmanSandbox:
             raise SandboxError(f"could not reach the shell of sandbox {self.name}: {e}") from e
 
     async def _kill_shell(self) -> None:
+        # every step that frees something first, then the waits: a close cancelled at a
+        # wait (the pool closing) must not leave a connection or a client process behind
         writer, self._reader, self._writer = self._writer, None, None
+        shell, self._shell = self._shell, None
         if writer is not None:
             writer.close()  # the shell reads end-of-file and exits
+        if shell is not None:
+            if shell.stdin is not None:
+                shell.stdin.close()  # else the transport outlives the event loop
+            if shell.returncode is None:
+                shell.kill()
+        if writer is not None:
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
-        shell, self._shell = self._shell, None
-        if shell is None:
-            return
-        if shell.stdin is not None:
-            shell.stdin.close()  # else the transport outlives the event loop
-        if shell.returncode is None:
-            shell.kill()
-        await shell.wait()
+        if shell is not None:
+            await shell.wait()
 
     # -- framing -----------------------------------------------------------------------------
     async def _call(

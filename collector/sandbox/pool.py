@@ -150,6 +150,11 @@ class SandboxPool:
                 log.warning("reset of %s failed, replacing it: %s", box.id, e)
             except Exception:  # a bug: replace the box rather than lose a pool slot
                 log.exception("reset of %s raised; replacing it", box.id)
+            except asyncio.CancelledError:
+                # the pool closes while this box, in neither queue, resets: close it here,
+                # or its shell's transport outlives the event loop
+                await self._discard(box)
+                raise
         await self._discard(box)
         self._total -= 1
         if not self._closed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc as python_gc  # janitor.gc is the sandbox one
 import os
 import signal
 import subprocess
@@ -57,6 +58,31 @@ def test_broken_sandbox_is_replaced(sandbox_pool):
             assert box.id not in names and fresh.id in names
 
     asyncio.run(go())
+
+
+def test_a_pool_closed_while_a_released_box_resets_closes_that_box(sandbox_pool):
+    """A box released just before the pool closes is resetting, in neither queue: the
+    close cancels its reset and must still stop its shell. Its ``podman exec`` transport
+    was left open and, collected after the event loop closed, raised "Event loop is closed"
+    into whichever test ran next."""
+    unraisable: list = []
+
+    async def go():
+        async with sandbox_pool(pool_size=1) as pool:
+            box = await pool.acquire(episode_id="e", task_id="t")
+            await pool.release(box)  # its reset starts in the background
+            await asyncio.sleep(0)  # and waits for the shell's reply
+        return box
+
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        box = asyncio.run(go())
+        assert not box.alive and box._shell is None, "the resetting box was not closed"
+        del box
+        python_gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert not unraisable, [str(u.exc_value) for u in unraisable]
 
 
 def test_files_round_trip_byte_exact(sandbox_pool, tmp_path: Path):
