@@ -57,6 +57,15 @@ def _collector(tokenizer, tmp_path, config, *, tasks=TASKS, store=None, delay_s=
     return collector, store, writer, policy
 
 
+async def _until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Wait for ``condition()``: the tests step on what the collector did, not on how long
+    it took (a loaded machine starts the daemon in seconds, not milliseconds)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 async def _run(collector, *, stop_after_s: float | None = None):
     stop = asyncio.Event()
     if stop_after_s is not None:
@@ -149,11 +158,12 @@ def test_backpressure_stops_new_groups_until_the_learner_consumes(tiny_tokenizer
     async def scenario():
         stop = asyncio.Event()
         run = asyncio.create_task(collector.run(stop))
-        await asyncio.sleep(0.5)
+        await _until(lambda: len(writer.groups) >= 2, "two groups")
+        await asyncio.sleep(0.5)  # time for more, were it not blocked
         written_while_blocked = len(writer.groups)
         store.counts[GroupStatus.READY] = 0  # the learner consumed everything
         store.counts[GroupStatus.CONSUMED] = 16
-        await asyncio.sleep(0.3)
+        await _until(lambda: len(writer.groups) > 2, "groups after the learner consumed")
         stop.set()
         await run
         return written_while_blocked
@@ -177,9 +187,14 @@ def test_new_policy_is_hot_loaded_and_later_tokens_carry_it(tiny_tokenizer, tmp_
     async def scenario():
         stop = asyncio.Event()
         run = asyncio.create_task(collector.run(stop))
-        await asyncio.sleep(0.3)
+        await _until(lambda: writer.groups, "a group of version 0")
         store.policy = PolicyRecord("run", 1, "/ckpt/v1", 0, 1)
-        await asyncio.sleep(0.4)
+        await _until(
+            lambda: any(
+                e.policy_version_range == (1, 1) for g in writer.groups for e in g.episodes
+            ),
+            "an episode of version 1",
+        )
         stop.set()
         await run
 
@@ -195,7 +210,17 @@ def test_new_policy_is_hot_loaded_and_later_tokens_carry_it(tiny_tokenizer, tmp_
 def test_drain_cancels_slow_groups_and_restart_reruns_their_slots(tiny_tokenizer, tmp_path):
     config = _config(drain_timeout_s=0.05)
     collector, store, writer, _ = _collector(tiny_tokenizer, tmp_path, config, delay_s=0.3)
-    asyncio.run(_run(collector, stop_after_s=0.1))
+
+    async def scenario():
+        stop = asyncio.Event()
+        run = asyncio.create_task(collector.run(stop))
+        # stop once groups run (their first turn takes 0.3 s; the drain waits 0.05 s)
+        await _until(lambda: any(s["status"] == "leased" for s in store.slots.values()),
+                     "a leased slot")  # fmt: skip
+        stop.set()
+        await run
+
+    asyncio.run(scenario())
     assert writer.groups == []  # nothing finished
     abandoned = _leased_then_freed(store)  # the stop freed the cancelled groups' slots
     assert abandoned and all(g.startswith("run/t") for g in abandoned)
