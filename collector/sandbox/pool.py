@@ -67,6 +67,8 @@ class SandboxPool:
         self._starts = asyncio.Semaphore(config.max_concurrent_starts)
         self._tasks: set[asyncio.Task] = set()
         self._in_use: dict[str, PodmanSandbox] = {}
+        self._recycling: set[PodmanSandbox] = set()
+        """Released boxes whose reset or removal has not finished: in neither queue."""
         self._uids: UidSlots | None = None
         self._closed = False
 
@@ -137,6 +139,7 @@ class SandboxPool:
         """Give a sandbox back: reset and reuse it, or replace it when broken or dead."""
         self._in_use.pop(sandbox.id, None)
         write_registry(sandbox.id, episode_id=None, task_id=None)
+        self._recycling.add(sandbox)
         self._background(self._recycle(sandbox, broken=broken))
 
     async def _recycle(self, box: PodmanSandbox, *, broken: bool) -> None:
@@ -144,18 +147,15 @@ class SandboxPool:
             try:
                 await box.reset()
                 if box.alive:
+                    self._recycling.discard(box)
                     self._idle.put_nowait(box)
                     return
             except (SandboxError, OSError) as e:  # OSError: the reset op itself failed
                 log.warning("reset of %s failed, replacing it: %s", box.id, e)
             except Exception:  # a bug: replace the box rather than lose a pool slot
                 log.exception("reset of %s raised; replacing it", box.id)
-            except asyncio.CancelledError:
-                # the pool closes while this box, in neither queue, resets: close it here,
-                # or its shell's transport outlives the event loop
-                await self._discard(box)
-                raise
         await self._discard(box)
+        self._recycling.discard(box)
         self._total -= 1
         if not self._closed:
             self._spawn_start()
@@ -194,7 +194,10 @@ class SandboxPool:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        boxes = list(self._in_use.values())
+        # a box whose recycling was cancelled (before or during its reset) is in neither
+        # queue: close it too, or its shell's client and pipes outlive the event loop
+        boxes = [*self._in_use.values(), *self._recycling]
+        self._recycling.clear()
         while not self._idle.empty():
             item = self._idle.get_nowait()
             if isinstance(item, PodmanSandbox):
