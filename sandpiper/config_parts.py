@@ -158,6 +158,11 @@ class CollectorConfig(_Part):
 
     tasks: str = "tasks/demo.jsonl"
     """A JSONL file of tasks or a folder of task folders."""
+    reward_function: str | None = Field(
+        default=None, pattern=r"^python:[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+    )
+    """``python:MODULE:FUNCTION``: your own reward (TRL's or verl's signature) for every task
+    of the run, replacing each task's ``reward``; None = each task's own (docs/tasks.md)."""
     tools: list[ToolName] = Field(
         default_factory=lambda: list[ToolName](["execute_bash", "str_replace_editor", "submit"])
     )

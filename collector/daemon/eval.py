@@ -38,8 +38,9 @@ async def evaluate(
 
     cc, limits = config.collector, config.sampling
     tasks = load_tasks(
-        cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed
-    )
+        cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed,
+        reward_function=cc.reward_function,
+    )  # fmt: skip
     store: CollectorHostStore = await asyncio.to_thread(open_store, config)
     await asyncio.to_thread(store.upsert_tasks, [t.to_record() for t in tasks])
     journal = SeqJournal(config.run_dir / "collector_journal.json")

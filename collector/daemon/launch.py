@@ -91,8 +91,9 @@ async def collect(
 
     cc, run_dir = config.collector, config.run_dir
     tasks = load_tasks(
-        cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed
-    )
+        cc.tasks, validation_fraction=cc.validation_fraction, split_seed=cc.split_seed,
+        reward_function=cc.reward_function,
+    )  # fmt: skip
     store: CollectorHostStore = await asyncio.to_thread(open_store, config)
     await asyncio.to_thread(check_checkpoints_readable, store, config.name)
     await asyncio.to_thread(store.upsert_tasks, [t.to_record() for t in tasks])

@@ -10,7 +10,10 @@ import threading
 
 
 def normalize_answer(text: str) -> str:
-    """Lower-case, drop punctuation and articles, squeeze whitespace (SQuAD-style)."""
+    """SQuAD's normalisation, in this order: lower-case; every character that is neither a
+    word character (letters, digits, ``_``, in any script) nor whitespace becomes a space
+    (so ``-09`` is ``09`` and ``1,2`` is ``1 2``); the whole words ``a``, ``an``, ``the``
+    become spaces; runs of whitespace become one space, ends stripped."""
     text = text.lower()
     text = re.sub(r"[^\w\s]", " ", text)
     text = re.sub(r"\b(a|an|the)\b", " ", text)
@@ -19,6 +22,30 @@ def normalize_answer(text: str) -> str:
 
 def exact_match(gold: str, answer: str) -> bool:
     return normalize_answer(gold) == normalize_answer(answer)
+
+
+def strict_match(gold: str, answer: str) -> bool:
+    """Equal after stripping surrounding whitespace (``str.strip()``); nothing else changes."""
+    return gold.strip() == answer.strip()
+
+
+CHOICE_STRIP = "(). \t\r\n\f\v"
+"""Characters stripped from both ends of a ``choice`` answer (``str.strip`` of these)."""
+
+
+def choice_letter(text: str) -> str | None:
+    """The single letter A-Z of a multiple-choice answer, upper-cased: the text with
+    :data:`CHOICE_STRIP` stripped from both ends must be exactly one ASCII letter (``b``,
+    ``(B)``, ``B.``, `` (b). ``); anything else (``B) 4``, ``Answer: B``, ``AB``) is None."""
+    core = text.strip(CHOICE_STRIP)
+    if len(core) == 1 and "A" <= core.upper() <= "Z" and core.isascii():
+        return core.upper()
+    return None
+
+
+def choice_match(gold: str, answer: str) -> bool:
+    letter = choice_letter(answer)
+    return letter is not None and letter == choice_letter(gold)
 
 
 def math_equal(gold: str, answer: str) -> bool:

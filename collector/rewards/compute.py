@@ -1,4 +1,5 @@
-"""Episode rewards: task tests, math equivalence, ROUGE, exact match, banned patterns.
+"""Episode rewards: task tests, math equivalence, ROUGE, exact / strict / choice match,
+reasoning-gym's own scorers, your own function, banned patterns.
 
 The reward kind and its data are the task's reference, a tagged union on ``reward``
 (:mod:`sandpiper.collector.rewards.reference`: math, exact, rouge, llm_in_sandbox, tests,
@@ -21,10 +22,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sandpiper.collector.rewards.answer_scores import exact_match, math_equal, rouge
+from sandpiper.collector.rewards.answer_scores import (
+    choice_match,
+    exact_match,
+    math_equal,
+    rouge,
+    strict_match,
+)
 from sandpiper.collector.rewards.reference import (
     REWARD_KINDS,
     LlmInSandboxReference,
+    PythonReference,
+    ReasoningGymReference,
     RougeReference,
     TaskReference,
     TestsReference,
@@ -63,12 +72,26 @@ def compute_reward(
     if isinstance(ref, TestsReference):
         base = float(test_reward) if test_reward is not None else 0.0
         breakdown["test_details"] = test_details or {}
+    elif isinstance(ref, PythonReference):  # the function decides, with or without an answer
+        from sandpiper.collector.rewards import custom
+
+        base, extras = custom.score(ref, answer)
+        if extras:  # a verl dict's other keys (verl's reward_extra_info)
+            breakdown["reward_extra_info"] = extras
+    elif isinstance(ref, ReasoningGymReference):  # the library decides (None scores too)
+        from sandpiper.collector.rewards import reasoning_gym_scores
+
+        base = reasoning_gym_scores.score(ref, answer)
     elif kind == "none" or answer is None or gold is None:
         base = 0.0
     elif kind == "math":
         base = float(math_equal(gold, answer))
     elif kind == "exact":
         base = float(exact_match(gold, answer))
+    elif kind == "strict":
+        base = float(strict_match(gold, answer))
+    elif kind == "choice":
+        base = float(choice_match(gold, answer))
     elif isinstance(ref, LlmInSandboxReference):
         from sandpiper.collector.rewards.llm_in_sandbox_scores import score
 

@@ -5,9 +5,13 @@ the store keeps it as JSON (``tasks.reference``, :meth:`Reference.as_dict`). The
 what each reads::
 
     math            answer (equivalence by math-verify)
-    exact           answer (normalised exact match)
+    exact           answer (normalised exact match: answer_scores.normalize_answer)
+    strict          answer (equal after stripping surrounding whitespace)
+    choice          answer (one letter A-Z, answer_scores.choice_letter)
     rouge           answer, rouge_type (default rougeL F-measure)
     llm_in_sandbox  answer, domain, qa_type (the peer's scorer of that domain)
+    reasoning_gym   dataset, config, index (that reasoning-gym item's own score_answer)
+    python:M:F      function (M:F), prompt, row: your function (rewards/custom.py)
     tests           nothing: the task's test script reports the reward at submit
     none            nothing: reward 0 (collect without scoring)
 
@@ -35,12 +39,16 @@ __all__ = [
     "REFERENCE_KEYS",
     "REWARD_KINDS",
     "BrokenReference",
+    "ChoiceReference",
     "ExactReference",
     "LlmInSandboxReference",
     "MathReference",
     "NoReward",
+    "PythonReference",
+    "ReasoningGymReference",
     "Reference",
     "RougeReference",
+    "StrictReference",
     "TaskReference",
     "TestsReference",
     "parse_reference",
@@ -104,6 +112,45 @@ class ExactReference(_Answered):
     reward: Literal["exact"] = "exact"
 
 
+class StrictReference(_Answered):
+    reward: Literal["strict"] = "strict"
+
+
+class ChoiceReference(_Answered):
+    reward: Literal["choice"] = "choice"
+
+
+class ReasoningGymReference(_Answered):
+    """An item of a reasoning-gym dataset, scored by that dataset's own ``score_answer``. The
+    item is generated again in the reward worker from ``dataset``, ``config`` (with its
+    ``seed`` and ``size``) and ``index``, so the scorer sees exactly the entry the library
+    made; ``answer`` is the item's gold answer, kept for people reading the task."""
+
+    reward: Literal["reasoning_gym"] = "reasoning_gym"
+    dataset: str
+    config: dict[str, Any] = Field(default_factory=dict)
+    index: int = Field(ge=0)
+
+
+PYTHON_PREFIX = "python:"
+
+
+class PythonReference(_Reference):
+    """Your own reward function (:mod:`sandpiper.collector.rewards.custom`), named in the
+    task file as ``reward = "python:MODULE:FUNCTION"``."""
+
+    reward: Literal["python"] = "python"
+    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """``MODULE:FUNCTION``, imported in the reward worker."""
+    prompt: str | list[dict[str, Any]] | None = None
+    """The row's prompt as the row gave it (text or chat messages): TRL's ``prompts``."""
+    row: dict[str, Any] = Field(default_factory=dict)
+    """The row's other fields, passed as TRL and verl pass them."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return super().as_dict() | {"reward": PYTHON_PREFIX + self.function}
+
+
 class RougeReference(_Answered):
     reward: Literal["rouge"] = "rouge"
     rouge_type: str = "rougeL"
@@ -138,7 +185,8 @@ class BrokenReference(_Reference):
 
 
 Reference = Annotated[
-    MathReference | ExactReference | RougeReference | LlmInSandboxReference | TestsReference
+    MathReference | ExactReference | StrictReference | ChoiceReference | RougeReference
+    | LlmInSandboxReference | ReasoningGymReference | PythonReference | TestsReference
     | NoReward,
     Field(discriminator="reward"),
 ]  # fmt: skip
@@ -149,7 +197,8 @@ TaskReference = Reference | BrokenReference
 
 _KINDS: dict[str, type[_Reference]] = {
     cls.model_fields["reward"].default: cls
-    for cls in (MathReference, ExactReference, RougeReference, LlmInSandboxReference,
+    for cls in (MathReference, ExactReference, StrictReference, ChoiceReference,
+                RougeReference, LlmInSandboxReference, ReasoningGymReference, PythonReference,
                 TestsReference, NoReward)
 }  # fmt: skip
 REWARD_KINDS = tuple(_KINDS)
@@ -169,12 +218,20 @@ def parse_reference(
     if isinstance(data, _Reference):
         return cast(Reference, data)  # every concrete _Reference is a member of the union
     kind = data.get("reward", default_kind)
+    function = None
+    if isinstance(kind, str) and kind.startswith(PYTHON_PREFIX):
+        kind, function = "python", kind[len(PYTHON_PREFIX) :]
+    elif kind == "python":
+        kind = None  # the function must be named
     cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise TaskError(f"{where}{': ' if where else ''}unknown reward kind {kind!r}; "
-                        f"expected one of {REWARD_KINDS}")  # fmt: skip
+                        f"expected one of {REWARD_KINDS} ('python' as "
+                        f"'{PYTHON_PREFIX}MODULE:FUNCTION')")  # fmt: skip
     picked = {k: v for k, v in data.items() if k in cls.model_fields}
     picked["reward"] = kind
+    if function is not None:
+        picked["function"] = function
     try:
         return _ADAPTER.validate_python(picked)
     except ValidationError as e:

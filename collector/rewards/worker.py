@@ -14,7 +14,16 @@ one long-lived worker process:
   answer killed the worker): it is the policy's answer that could not be judged, a graded
   outcome, never an invalid episode. A worker that cannot start is the collector's failure.
 
-The cheap kinds (``tests``, ``exact``, ``none``) are scored in place. A worker that is not
+The same worker runs the kinds whose scorer is someone else's code: a reasoning-gym
+dataset's ``score_answer`` and your own function (``python:MODULE:FUNCTION``). Their
+exceptions and non-finite results are ``TaskError`` s: one invalid episode with the error's
+last line. The worker's address space is capped at ``SCORING_MEMORY_MB`` (an answer that
+makes a scorer allocate without bound fails that answer, not the host), and while a
+reasoning-gym scorer reads an answer an audit hook (:func:`_guard`) refuses opening files,
+starting processes, sockets and new imports, because some of those scorers evaluate the
+answer as Python (docs/security.md, "Scorers that evaluate the answer").
+
+The cheap kinds (``tests``, ``exact``, ``strict``, ``choice``, ``none``) are scored in place. A worker that is not
 needed is never started; it is killed at exit, and ends on EOF when the collector dies
 without cleaning up.
 """
@@ -25,15 +34,21 @@ import asyncio
 import atexit
 import json
 import logging
+import resource
 import select
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import IO, Any
 
 from sandpiper.collector.rewards.compute import RewardOutcome, compute_reward
-from sandpiper.collector.rewards.reference import TaskReference, parse_reference
+from sandpiper.collector.rewards.reference import (
+    ReasoningGymReference,
+    TaskReference,
+    parse_reference,
+)
 from sandpiper.errors import TaskError
 
 log = logging.getLogger(__name__)
@@ -43,8 +58,64 @@ SCORING_TIMEOUT_S = 15.0
 5 s to compare)."""
 STARTUP_TIMEOUT_S = 120.0
 """A new worker imports sympy before it takes answers; on a loaded machine that is slow."""
-IN_PLACE_KINDS = frozenset({"tests", "exact", "none"})
-"""Reward kinds that never parse the agent's text with a symbolic library."""
+IN_PLACE_KINDS = frozenset({"tests", "exact", "strict", "choice", "none"})
+"""Reward kinds that never parse the agent's text with a symbolic library or others' code."""
+SCORING_MEMORY_MB = 4096
+"""Address-space limit of the worker (``RLIMIT_AS``): sympy, numpy and reasoning-gym loaded
+take about 1 GiB of it."""
+GUARDED_EVENTS = frozenset({
+    "open", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+    "subprocess.Popen", "pty.spawn", "socket.connect", "socket.bind", "socket.sendto",
+    "socket.getaddrinfo", "ctypes.dlopen", "ctypes.cdata", "import", "os.remove", "os.rename",
+    "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.kill", "os.killpg", "os.listdir",
+    "os.scandir", "os.truncate", "shutil.rmtree", "shutil.copyfile", "glob.glob", "urllib.Request",
+    "sys.addaudithook", "os.putenv", "os.unsetenv", "os.chdir", "os.link", "os.symlink",
+})  # fmt: skip
+"""Audit events refused while a reasoning-gym scorer reads an answer (PEP 578)."""
+_GUARD = {"on": False}
+
+
+def _refuse(event: str, args: tuple[Any, ...]) -> None:
+    if _GUARD["on"] and event in GUARDED_EVENTS:
+        raise PermissionError(f"{event} refused while scoring an answer")
+
+
+@contextmanager
+def _guard() -> Iterator[None]:
+    _GUARD["on"] = True
+    try:
+        yield
+    finally:
+        _GUARD["on"] = False
+
+
+def _score_line(kwargs: dict[str, Any]) -> RewardOutcome:
+    """One request: ``{"warm": reference}`` (build a reasoning-gym item and load what its
+    scorer loads, no answer involved) or ``compute_reward`` keywords."""
+    if "warm" in kwargs:
+        from sandpiper.collector.rewards import reasoning_gym_scores
+
+        ref = parse_reference(kwargs["warm"])
+        if isinstance(ref, ReasoningGymReference):
+            try:
+                reasoning_gym_scores.warm(ref)
+            except Exception as e:
+                raise TaskError(f"reasoning-gym {ref.dataset}: cannot build item {ref.index} "
+                                f"with config {ref.config}: {type(e).__name__}: {e}") from None  # fmt: skip
+        return RewardOutcome(0.0)
+    ref = parse_reference(kwargs.pop("reference"))
+    if not isinstance(ref, ReasoningGymReference):
+        return compute_reward(ref, **kwargs)
+    from sandpiper.collector.rewards import reasoning_gym_scores
+
+    reasoning_gym_scores.warm(ref)  # a no-op after the warm request
+    with _guard():
+        return compute_reward(ref, **kwargs)
+
+
+def _limit_memory() -> None:  # in the worker, before exec
+    limit = SCORING_MEMORY_MB * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def serve(stdin: IO[str], stdout: IO[str]) -> None:
@@ -53,14 +124,17 @@ def serve(stdin: IO[str], stdout: IO[str]) -> None:
     libraries are imported before the first line, so no answer's deadline pays for them."""
     import math_verify  # noqa: F401  (sympy and its parsers: ~2 s of imports)
 
+    sys.addaudithook(_refuse)
     stdout.write("ready\n")
     stdout.flush()
     for line in stdin:
         try:
-            outcome = compute_reward(**json.loads(line))
+            outcome = _score_line(json.loads(line))
             result: list[Any] = ["ok", outcome.reward, outcome.breakdown]
         except TaskError as e:
             result = ["task_error", str(e)]
+        except MemoryError:  # the answer made the scorer allocate past the limit: graded
+            result = ["memory", "scoring ran out of memory"]
         except Exception as e:  # a scorer bug: reported to the collector, worker stays up
             result = ["error", f"{type(e).__name__}: {e}"]
         stdout.write(json.dumps(result, default=str) + "\n")
@@ -93,6 +167,7 @@ class ScoringWorker:
                 stdout=subprocess.PIPE,
                 text=True,
                 encoding="utf-8",
+                preexec_fn=_limit_memory,
             )
             assert self._proc.stdout is not None
             ready, _, _ = select.select([self._proc.stdout], [], [], STARTUP_TIMEOUT_S)
@@ -101,29 +176,34 @@ class ScoringWorker:
                 raise RuntimeError("the scoring worker did not start")
         return self._proc
 
-    def score(self, kwargs: dict[str, Any]) -> RewardOutcome:
+    def score(self, kwargs: dict[str, Any], timeout_s: float | None = None) -> RewardOutcome:
+        """Score one request; past ``timeout_s`` (default: the worker's) the worker is
+        killed and :class:`ScoringTimeoutError` raised."""
+        deadline_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             proc = self._running()
             assert proc.stdin is not None and proc.stdout is not None
             try:
                 proc.stdin.write(json.dumps(kwargs, default=str) + "\n")
                 proc.stdin.flush()
-                ready, _, _ = select.select([proc.stdout], [], [], self.timeout_s)
+                ready, _, _ = select.select([proc.stdout], [], [], deadline_s)
                 line = proc.stdout.readline() if ready else None
             except OSError as e:  # the worker died (OOM, killed): started anew next time
                 self.close()
                 raise AnswerKilledWorkerError(f"the scoring worker died: {e}") from e
             if line is None:
                 self.close()
-                raise ScoringTimeoutError(f"scoring took more than {self.timeout_s:.0f} s")
+                raise ScoringTimeoutError(f"scoring took more than {deadline_s:.0f} s")
             if not line:
                 self.close()
                 raise AnswerKilledWorkerError("the scoring worker died")
         status, *value = json.loads(line)
         if status == "task_error":
             raise TaskError(value[0])
+        if status == "memory":
+            raise AnswerKilledWorkerError(value[0])
         if status == "error":
-            raise RuntimeError(f"scoring failed: {value[0]}")
+            raise TaskError(f"scoring failed: {value[0]}")  # a scorer bug: this episode only
         return RewardOutcome(float(value[0]), value[1])
 
     def close(self) -> None:
@@ -151,6 +231,11 @@ async def score_answer(
     kind = ref.reward
     if kind in IN_PLACE_KINDS:
         return compute_reward(ref, **kwargs)
+    if isinstance(ref, ReasoningGymReference):  # imports and item built outside the deadline
+        try:
+            await asyncio.to_thread(_WORKER.score, {"warm": ref.as_dict()}, STARTUP_TIMEOUT_S)
+        except (ScoringTimeoutError, AnswerKilledWorkerError) as e:  # no answer involved
+            raise TaskError(f"reasoning-gym {ref.dataset}: the item could not be built: {e}") from e
     try:
         return await asyncio.to_thread(_WORKER.score, {"reference": ref.as_dict(), **kwargs})
     except (ScoringTimeoutError, AnswerKilledWorkerError) as e:  # the answer's doing: graded

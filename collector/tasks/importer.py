@@ -32,7 +32,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from sandpiper.collector.tasks.formats import aviato, llm_in_sandbox, open_instruct, trl_daytona
+from sandpiper.collector.tasks.formats import (
+    aviato,
+    llm_in_sandbox,
+    open_instruct,
+    reasoning_gym,
+    trl_daytona,
+)
 from sandpiper.collector.tasks.loading import (
     OVERRIDE_KEYS,
     load_task_folder,
@@ -66,7 +72,7 @@ def skipped_rows(out_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def import_tasks(
-    source: str | Path,
+    source: str | Path | reasoning_gym.ReasoningGymSpec,
     out_dir: str | Path,
     *,
     fmt: str = "auto",
@@ -79,16 +85,17 @@ def import_tasks(
     whose lines carry the split, so the collector sees the same split every run.
     ``task_data_dir`` holds the folders open-instruct rows name (default: the source's
     folder). Rows of a domain that cannot be scored are skipped into ``skipped.jsonl``
-    (:func:`skipped_rows`), or refuse the whole source with ``strict``."""
+    (:func:`skipped_rows`), or refuse the whole source with ``strict``. A
+    :class:`~sandpiper.collector.tasks.formats.reasoning_gym.ReasoningGymSpec` generates its
+    datasets' items (their own splits: ``validation_fraction`` does not apply)."""
+    if isinstance(source, reasoning_gym.ReasoningGymSpec):
+        return _import_generated(reasoning_gym.rows(source), Path(out_dir))
     source, out = Path(source), Path(out_dir)
     if fmt not in FORMATS:
         raise TaskError(f"unknown task format {fmt!r} ({', '.join(FORMATS)})")
     if not source.exists():
         raise TaskError(f"task source not found: {source}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TaskError(f"output folder {out} exists and is not empty; choose a new one")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
+    staging = _staging(out)
     try:
         if source.is_file():
             data_dir = Path(task_data_dir) if task_data_dir else source.parent
@@ -109,6 +116,30 @@ def import_tasks(
                 f.write(json.dumps(_index_row(task, staging)) + "\n")
         with contextlib.suppress(FileNotFoundError):
             out.rmdir()  # empty (checked above)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return load_tasks(out)
+
+
+def _staging(out: Path) -> Path:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise TaskError(f"output folder {out} exists and is not empty; choose a new one")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
+
+
+def _import_generated(records: Iterable[tuple[str, dict[str, Any]]], out: Path) -> list[Task]:
+    """Rows made by a generator (reasoning-gym) into ``out``'s index, staged as above."""
+    staging = _staging(out)
+    try:
+        tasks = convert_records(records, staging, "jsonl", base=staging)
+        check_unique(tasks)
+        with (staging / "tasks.jsonl").open("w") as f:
+            f.writelines(json.dumps(_index_row(t, staging)) + "\n" for t in tasks)
+        with contextlib.suppress(FileNotFoundError):
+            out.rmdir()
         os.rename(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -35,13 +35,14 @@ whose id hashes below ``validation_fraction`` is a validation task, unless it st
 
 from __future__ import annotations
 
+import contextlib
 import tomllib
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from sandpiper.collector.rewards.reference import REFERENCE_KEYS, task_reference
+from sandpiper.collector.rewards.reference import PYTHON_PREFIX, REFERENCE_KEYS, task_reference
 from sandpiper.collector.tasks.formats import aviato, llm_in_sandbox, open_instruct, trl_daytona
 from sandpiper.collector.tasks.model import (
     ANSWER_KEYS,
@@ -60,9 +61,19 @@ from sandpiper.errors import TaskError
 
 
 def load_tasks(
-    source: str | Path, *, validation_fraction: float = 0.0, split_seed: int = 0
+    source: str | Path,
+    *,
+    validation_fraction: float = 0.0,
+    split_seed: int = 0,
+    reward_function: str | None = None,
 ) -> list[Task]:
-    """Load every task of ``source`` (JSONL file, task folder or folder of task folders)."""
+    """Load every task of ``source`` (JSONL file, task folder or folder of task folders).
+    ``reward_function`` (``python:MODULE:FUNCTION``, the run's ``collector.reward_function``)
+    replaces every task's own ``reward``."""
+    if reward_function is not None:
+        with _REWARD_OVERRIDE.set_to(reward_function):
+            return load_tasks(source, validation_fraction=validation_fraction,
+                              split_seed=split_seed)  # fmt: skip
     path = Path(source)
     if not path.exists():
         raise TaskError(f"task source not found: {path}")
@@ -82,6 +93,23 @@ def load_tasks(
         )
     check_unique(tasks)
     return [assign_split(t, validation_fraction, split_seed) for t in tasks]
+
+
+class _Override:
+    """The run's reward function while its tasks load (one loader call at a time)."""
+
+    value: str | None = None
+
+    @contextlib.contextmanager
+    def set_to(self, value: str) -> Iterator[None]:
+        previous, self.value = self.value, value
+        try:
+            yield
+        finally:
+            self.value = previous
+
+
+_REWARD_OVERRIDE = _Override()
 
 
 def _load_jsonl(path: Path) -> Iterator[Task]:
@@ -129,16 +157,38 @@ def needs_import(row: dict[str, Any]) -> str | None:
     return None
 
 
+def is_verl_row(row: dict[str, Any]) -> bool:
+    """verl's standard row: ``prompt``, ``data_source``, ``reward_model.ground_truth``,
+    ``extra_info``."""
+    model = row.get("reward_model")
+    return "data_source" in row and isinstance(model, dict) and "ground_truth" in model
+
+
 def task_from_row(row: dict[str, Any], *, source: str, where: str = "") -> Task:
     """A prompt-only task (math / QA) from one JSONL row. The prompt is a string, or a list
-    of chat messages (OpenAI / Aviato style: system and user messages)."""
+    of chat messages (OpenAI / Aviato style: system and user messages). A verl row's answer
+    is its ``reward_model.ground_truth``. With ``reward = "python:MODULE:FUNCTION"`` (or the
+    run's ``reward_function``) the reference keeps the row's prompt and other fields for the
+    function (:mod:`sandpiper.collector.rewards.custom`)."""
     instruction, system = row_prompt(row, where)
+    if _REWARD_OVERRIDE.value is not None:
+        row = {**row, "reward": _REWARD_OVERRIDE.value}
     answer = first_of(row, ANSWER_KEYS)
-    fields = {k: row[k] for k in REFERENCE_KEYS if k in row and k != "answer"}
+    if answer is None and is_verl_row(row):
+        answer = row["reward_model"]["ground_truth"]
+    fields = {
+        k: row[k] for k in REFERENCE_KEYS if k in row and k not in ("answer", "row", "prompt")
+    }
     fields.setdefault("reward", "math")
-    if answer is not None:
+    if str(fields["reward"]).startswith(PYTHON_PREFIX):
+        fields.pop("answer", None)
+        fields["prompt"] = (
+            row["prompt"] if isinstance(row.get("prompt"), str | list) else instruction
+        )
+        fields["row"] = {k: v for k, v in row.items() if k != "prompt"}
+    elif answer is not None:
         fields["answer"] = str(answer)
-    elif fields["reward"] not in ("tests", "none"):
+    elif fields["reward"] not in ("tests", "none", "reasoning_gym"):
         raise TaskError(missing_field(where, "reference answer", ANSWER_KEYS, row))
     reference = task_reference(fields, where=where)
     task_id = str(row.get("id") or row.get("task_id") or content_id(instruction))
@@ -168,8 +218,14 @@ def load_task_folder(folder: str | Path) -> Task:
         except tomllib.TOMLDecodeError as e:
             raise TaskError(f"{folder}/task.toml: {e}") from None
     has_tests = (folder / "tests").is_dir()
+    if _REWARD_OVERRIDE.value is not None:
+        meta = {**meta, "reward": _REWARD_OVERRIDE.value}
+    keys = {k: meta[k] for k in REFERENCE_KEYS if k in meta and k not in ("row", "prompt")}
+    if str(meta.get("reward", "")).startswith(PYTHON_PREFIX):  # the function's row: task.toml
+        keys["prompt"] = instruction_file.read_text()
+        keys["row"] = {k: v for k, v in meta.items() if k != "prompt"}
     reference = task_reference(
-        {k: meta[k] for k in REFERENCE_KEYS if k in meta},
+        keys,
         default_kind="tests" if has_tests else "exact",
         where=f"{folder}/task.toml",
     )

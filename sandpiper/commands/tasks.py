@@ -19,7 +19,13 @@ def register(app: typer.Typer) -> None:
 
     @tasks_app.command("import", cls=VerboseCommand)
     def import_(
-        source: Annotated[Path, typer.Argument(help="JSONL file, task folder or folder of them.")],
+        source: Annotated[
+            str,
+            typer.Argument(
+                help="JSONL file, task folder or folder of them, or "
+                "reasoning-gym:NAME[,NAME...] (generated; see --size, --seed, --config)."
+            ),
+        ],
         out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")],
         fmt: Annotated[
             str, typer.Option("--format", help=f"Source format: {', '.join(FORMATS)}.")
@@ -44,6 +50,24 @@ def register(app: typer.Typer) -> None:
                 "OUT/skipped.jsonl.",
             ),
         ] = False,
+        size: Annotated[int, typer.Option(help="reasoning-gym: training items per dataset.")] = 100,
+        seed: Annotated[
+            int, typer.Option(help="reasoning-gym: seed of the training items (item i: seed+i).")
+        ] = 0,
+        validation_size: Annotated[
+            int,
+            typer.Option(
+                help="reasoning-gym: held-out items per dataset, seeded after the training "
+                "range (seed+size on), so no item is shared."
+            ),
+        ] = 0,
+        config: Annotated[
+            list[str] | None,
+            typer.Option(
+                help="reasoning-gym: KEY=VALUE of the dataset's config (VALUE read as JSON, "
+                "else text); NAME.KEY=VALUE for one dataset of several. Repeatable."
+            ),
+        ] = None,
     ) -> None:
         """Write task folders and a ``tasks.jsonl`` index (with each task's split) to OUT.
 
@@ -53,14 +77,22 @@ def register(app: typer.Typer) -> None:
         rllm JSON array, TRL + Daytona code tasks (see docs/tasks.md). OUT must be new or
         empty; nothing is written unless every record converts, except rows of a domain
         that cannot be scored, which are skipped and listed (``--strict`` refuses them)."""
+        from sandpiper.collector.tasks.formats import reasoning_gym
         from sandpiper.collector.tasks.importer import SKIPPED_FILE, import_tasks, skipped_rows
 
         with cli_errors():
-            check_tasks(str(source), field="SRC", hint=SOURCE_HINT)
-            tasks = import_tasks(
-                source, out, fmt=fmt, validation_fraction=validation_fraction,
-                split_seed=split_seed, task_data_dir=task_data_dir, strict=strict,
-            )  # fmt: skip
+            if reasoning_gym.is_source(source):
+                spec = reasoning_gym.ReasoningGymSpec.parse(
+                    source, size=size, seed=seed, validation_size=validation_size,
+                    config=config or (),
+                )  # fmt: skip
+                tasks = import_tasks(spec, out)
+            else:
+                check_tasks(str(source), field="SRC", hint=SOURCE_HINT)
+                tasks = import_tasks(
+                    source, out, fmt=fmt, validation_fraction=validation_fraction,
+                    split_seed=split_seed, task_data_dir=task_data_dir, strict=strict,
+                )  # fmt: skip
         n_val = sum(t.split.value == "validation" for t in tasks)
         typer.echo(f"imported {len(tasks)} tasks into {out} ({n_val} validation)")
         skipped = skipped_rows(out)
@@ -80,7 +112,8 @@ def register(app: typer.Typer) -> None:
         ] = 0.0,
         split_seed: Annotated[int, typer.Option(help="Seed of the hash split.")] = 0,
     ) -> None:
-        """Print one line per task: id, split, format, reward kind."""
+        """Print one line per task: id, split, format, reward kind (a reasoning-gym task:
+        its family and config; a function: its name)."""
         from sandpiper.collector.tasks.loading import load_tasks
 
         with cli_errors():
@@ -89,4 +122,16 @@ def register(app: typer.Typer) -> None:
                 source, validation_fraction=validation_fraction, split_seed=split_seed
             )
         for t in tasks:
-            typer.echo(f"{t.task_id}\t{t.split.value}\t{t.format}\t{t.reference.reward}")
+            typer.echo(f"{t.task_id}\t{t.split.value}\t{t.format}\t{_reward_shown(t.reference)}")
+
+
+def _reward_shown(reference: object) -> str:
+    """The reward column of ``tasks list``."""
+    from sandpiper.collector.rewards.reference import PythonReference, ReasoningGymReference
+
+    if isinstance(reference, ReasoningGymReference):
+        config = " ".join(f"{k}={v}" for k, v in sorted(reference.config.items()))
+        return f"reasoning_gym:{reference.dataset}\t{config}"
+    if isinstance(reference, PythonReference):
+        return f"python:{reference.function}"
+    return str(getattr(reference, "reward", "?"))

@@ -34,7 +34,10 @@ def test_the_kind_picks_the_class_and_its_fields():
     # A row's keys that its kind does not read are not part of its reference.
     ref = parse_reference({"reward": "math", "answer": "1", "domain": "algebra"})
     assert ref.as_dict() == {"reward": "math", "answer": "1"}
-    assert set(REWARD_KINDS) == {"math", "exact", "rouge", "llm_in_sandbox", "tests", "none"}
+    assert set(REWARD_KINDS) == {
+        "math", "exact", "strict", "choice", "rouge", "llm_in_sandbox", "reasoning_gym", "python",
+        "tests", "none",
+    }  # fmt: skip
     assert REFERENCE_KEYS[0] == "reward" and "answer_file" in REFERENCE_KEYS
 
 

@@ -62,7 +62,10 @@ def has_input_files(row: dict[str, Any]) -> bool:
 
 
 def is_rllm_record(row: dict[str, Any]) -> bool:
-    return isinstance(row.get("extra_info"), dict) and "reward_model" in row
+    """An rllm record of this peer: a verl row whose ``extra_info`` holds the peer's row
+    (other verl rows are prompt rows: ``loading.task_from_row``)."""
+    extra = row.get("extra_info")
+    return isinstance(extra, dict) and "problem_statement" in extra and "reward_model" in row
 
 
 def from_rllm(row: dict[str, Any]) -> dict[str, Any]:
