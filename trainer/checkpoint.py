@@ -7,6 +7,13 @@ The output layer is always saved **untied** from the input embeddings: vLLM's in
 weight reload does not refresh a tied output layer (PLATFORM.md). A checkpoint is written to
 a temporary sibling folder and renamed into place, so a reader (or a restarted learner) never
 sees a half-written folder. Loadable by ``AutoModelForCausalLM.from_pretrained`` and vLLM.
+
+The weights are written in the dtype the learner's forward pass computes with
+(:func:`publish_dtype`: bf16 under DeepSpeed's bf16 mode, float32 otherwise), so the sampler
+scores tokens with the very weights the learner does, at half the bytes of float32. Under
+ZeRO-3 they are gathered one submodule at a time and kept on rank 0 only
+(:func:`gather_state_dict`): no rank ever holds the whole model beyond its shard, except
+rank 0's CPU copy that is written.
 """
 
 from __future__ import annotations
@@ -67,6 +74,63 @@ def temp_folder(out: str | Path) -> Path:
     """A fresh temporary sibling of ``out`` (unique: never shared with another learner)."""
     out = Path(out)
     return out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
+
+
+def publish_dtype(engine: Any) -> torch.dtype:
+    """The dtype of the published weights: that of the engine's module parameters, which
+    the learner's forward pass uses (bf16 under DeepSpeed's bf16 mode, fp16 under fp16,
+    float32 otherwise: the CPU path, exactly as before). The fp32 master copy, which only
+    the optimiser reads, travels with the training state (``trainer/resume.py``)."""
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.float32
+
+
+def _host_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU copy of ``t``, floating-point tensors in ``dtype`` (integer buffers as they are)."""
+    return t.detach().to("cpu", dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+
+
+def gather_state_dict(
+    engine: Any, *, dtype: torch.dtype, rank: int
+) -> dict[str, torch.Tensor] | None:
+    """The full ``state_dict`` of ``engine.module`` in ``dtype`` on rank 0's CPU; None on the
+    other ranks. Collective under ZeRO-3 (every rank must call it); local otherwise.
+
+    ZeRO 0-2 keep the whole module on every rank: rank 0 copies it, the others do nothing.
+    ZeRO-3 shards every parameter: each submodule's own parameters are gathered in turn
+    (``GatheredParameters``, all ranks) and released at once, rank 0 copying them to its
+    CPU. A rank other than 0 therefore never holds more than its shard plus one
+    submodule's parameters (the largest is the embedding), where gathering the whole
+    model at once put every parameter on every rank for the length of the save."""
+    module = engine.module
+    if engine.zero_optimization_stage() != 3:
+        if rank != 0:
+            return None
+        return {k: _host_copy(v, dtype) for k, v in module.state_dict().items()}
+    import deepspeed
+
+    state: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    # the keys state_dict() gives: own parameters, then persistent buffers, per submodule
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        params = {n: p for n, p in sub._parameters.items() if p is not None}
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+            if state is not None:
+                for name, p in params.items():
+                    state[dot + name] = _host_copy(p, dtype)
+        if state is not None:
+            for name, b in sub._buffers.items():
+                if b is not None and name not in sub._non_persistent_buffers_set:
+                    state[dot + name] = _host_copy(b, dtype)
+    return state
+
+
+def folder_bytes(folder: str | Path) -> int:
+    """Bytes of the files under ``folder`` (every level)."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
 def write_weights(

@@ -23,8 +23,11 @@ if TYPE_CHECKING:  # torch is imported late: `sandpiper --help` stays fast
 def run_learner(cfg: LearnerSettings) -> int:
     """Run GRPO (until ``max_steps`` / ``max_idle_s``) or one SFT pass; returns steps done."""
     from sandpiper.trainer.engine import init_distributed, shutdown_distributed
+    from sandpiper.trainer.ranks import mark_failed
 
-    world = init_distributed()  # before anything imports deepspeed with the wrong accelerator
+    lc = cfg.learner
+    # before anything imports deepspeed with the wrong accelerator
+    world = init_distributed(lc.device, collective_timeout_s=lc.collective_timeout_s)
     clean = False
     try:
         steps = _run(cfg, world)
@@ -35,6 +38,7 @@ def run_learner(cfg: LearnerSettings) -> int:
         # process groups: clear their locals, or the groups' gloo threads outlive the
         # shutdown below and the exit can abort (SIGABRT) instead of reporting the error.
         traceback.clear_frames(e.__traceback__)
+        mark_failed(world.rank)  # the other ranks stop waiting for this one
         raise
     finally:
         shutdown_distributed(clean=clean)
@@ -68,6 +72,7 @@ def _run(cfg: LearnerSettings, world: World) -> int:
         if cfg.learner.algo == "sft":
             learner.tracker = tracker
             run_sft(learner)
+            learner.finish()
             steps = 1
         else:
             steps = learner.run(tracker)

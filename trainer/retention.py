@@ -13,14 +13,16 @@ A registered version is kept when any of these holds (config ``learner.checkpoin
   ``collector.heartbeat_ttl_s + checkpoint_grace_s`` (a collector that is only slow keeps
   its version; a dead one's reference lapses after that);
 - its successor was registered less than ``checkpoint_grace_s`` ago: this covers the moment
-  between a collector reading the latest version and announcing it.
+  between a collector reading the latest version and announcing it;
+- it is the newest version with a training state (``train_state/``, written every
+  ``learner.train_state_every`` versions): the one a restarted learner resumes from.
 
-Only the newest version keeps its training state (``train_state/``: the optimiser moments and
-RNG a learner resumes from, :mod:`.resume`): a learner always resumes from the newest
-registered version, and vLLM and the KL reference read weights only. An older kept version
-loses that folder at the next step after its successor's registration; with Adam that is
-two thirds of a float32 folder (SmolLM2-135M: 2.5 GB a version with it, 0.6 GB without),
-which at a version a minute and a 10-minute grace filled a 50 GB disk within the hour.
+Only that newest version with a training state keeps it (the optimiser moments and RNG a
+learner resumes from, :mod:`.resume`): vLLM and the KL reference read weights only. An older
+kept version loses that folder at the first prune after a newer one got its own; with Adam
+that is two thirds of a float32 folder (SmolLM2-135M: 2.5 GB a version with it, 0.6 GB
+without), which at a version a minute and a 10-minute grace filled a 50 GB disk within the
+hour.
 
 Everything else that the retention may delete lies inside the checkpoint dir (a registered
 ``checkpoint_uri`` elsewhere, such as an initial model, is never touched). Folders of terms
@@ -42,7 +44,7 @@ from pathlib import Path
 
 from sandpiper.store.records import PolicyRecord, utcnow
 from sandpiper.trainer.checkpoint import FOLDER_RE
-from sandpiper.trainer.resume import STATE_DIR
+from sandpiper.trainer.resume import STATE_DIR, newest_with_state
 
 log = logging.getLogger("sandpiper.learner")
 
@@ -64,14 +66,18 @@ def versions_to_keep(
     in_flight_from: int | None,
     now: datetime,
     referenced: Iterable[int] = (),
+    resume_from: int | None = None,
 ) -> set[int]:
     """The registered versions that must stay (see the module docstring); ``referenced``:
-    versions live collectors announced."""
+    versions live collectors announced; ``resume_from``: the newest version with a
+    training state."""
     ordered = sorted(policies, key=lambda p: p.version)
     if not ordered:
         return set()
     versions = [p.version for p in ordered]
     keep = {0, *versions[-max(rule.keep_last, 1) :]}
+    if resume_from is not None:
+        keep.add(resume_from)
     if rule.keep_every > 0:
         keep |= {v for v in versions if v % rule.keep_every == 0}
     if in_flight_from is not None:
@@ -100,15 +106,15 @@ def _remove(folder: Path, trash: Path) -> None:
     shutil.rmtree(trash)
 
 
-def _strip_train_state(policies: list[PolicyRecord], keep: set[int], root: Path) -> int:
-    """Delete ``train_state/`` of every kept version but the newest; returns how many."""
-    if not policies:
-        return 0
-    newest = max(p.version for p in policies)
+def _strip_train_state(
+    policies: list[PolicyRecord], keep: set[int], root: Path, resume_from: int | None
+) -> int:
+    """Delete ``train_state/`` of every kept version but ``resume_from`` (the newest that has
+    one); returns how many."""
     stripped = 0
     for p in policies:
         state = Path(p.checkpoint_uri) / STATE_DIR
-        if p.version == newest or p.version not in keep or not state.is_dir():
+        if p.version == resume_from or p.version not in keep or not state.is_dir():
             continue
         if not _inside(state, root):
             continue
@@ -131,15 +137,17 @@ def prune_checkpoints(
     now: datetime | None = None,
 ) -> list[Path]:
     """Delete the folders retention allows and the training state of every version but the
-    newest; returns the folders deleted (call as the leader)."""
+    newest that has one; returns the folders deleted (call as the leader)."""
     now = now or utcnow()
     policies = store.policies(run_id)
+    newest_state = newest_with_state(policies)
+    resume_from = None if newest_state is None else newest_state.version
     referenced = store.collector_policy_versions(
         run_id=run_id, within_s=rule.collector_ttl_s + rule.grace_s
     )
     keep = versions_to_keep(
         policies, rule, in_flight_from=store.oldest_version_in_flight(run_id), now=now,
-        referenced=referenced,
+        referenced=referenced, resume_from=resume_from,
     )  # fmt: skip
     registered = {Path(p.checkpoint_uri).resolve() for p in policies}
     doomed = [
@@ -166,6 +174,6 @@ def prune_checkpoints(
         deleted.append(folder)
     if deleted:
         log.info("retention: deleted %d old checkpoint folder(s)", len(deleted))
-    if stripped := _strip_train_state(policies, keep, checkpoint_dir):
+    if stripped := _strip_train_state(policies, keep, checkpoint_dir, resume_from):
         log.info("retention: deleted the training state of %d older version(s)", stripped)
     return deleted
