@@ -104,3 +104,26 @@ def test_llm_in_sandbox_long_context_is_rouge_l_not_math():
     expected = scorer.score(truth, answer)["rougeL"].fmeasure
     got = compute_reward(ref, answer=answer).reward
     assert 0.0 < got < 1.0 and got == pytest.approx(expected)
+
+
+def test_strict_strips_only_surrounding_whitespace():
+    ref = {"reward": "strict", "answer": "-09"}
+    assert compute_reward(ref, answer=" -09\n").reward == 1.0
+    for wrong in ("-9", "09", "- 09", "-09."):
+        assert compute_reward(ref, answer=wrong).reward == 0.0, wrong
+
+
+def test_choice_is_one_letter_after_brackets_dots_and_spaces():
+    ref = {"reward": "choice", "answer": "B"}
+    for right in ("B", "b", "(B)", "B.", " (b). ", "\n(B)\n"):
+        assert compute_reward(ref, answer=right).reward == 1.0, right
+    for wrong in ("A", "B) 4", "Answer: B", "BB", "", "Ｂ"):
+        assert compute_reward(ref, answer=wrong).reward == 0.0, wrong
+
+
+def test_exact_does_what_docs_tasks_says():
+    from sandpiper.collector.rewards.answer_scores import normalize_answer
+
+    assert normalize_answer("The  Answer, is: -09!") == "answer is 09"
+    assert normalize_answer("[1, 2, 3]") == normalize_answer("1 2 3")
+    assert normalize_answer("An apple") == "apple"
