@@ -59,20 +59,29 @@ __all__ = [
 class _Reference(BaseModel):
     """What every kind may carry."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, coerce_numbers_to_str=True, use_attribute_docstrings=True
+    )
 
     reward: str
-    """The kind (each subclass narrows it to its literal)."""
+    """The reward kind (the table above); default `tests` for a folder with `tests/`, else
+    `exact` (task folders) or `math` (prompt rows)."""
     banned_patterns: list[str] = Field(default_factory=list)
-    """Plain substrings, case-insensitive (TRL's ``p.lower() in text.lower()``)."""
+    """Plain substrings, case-insensitive (TRL's `p.lower() in text.lower()`), looked for in
+    everything the model wrote; a hit makes the reward `-banned_penalty`."""
     banned_penalty: float = 1.0
+    """The penalty of a banned pattern (reward `-banned_penalty`)."""
     answer_file: str | None = None
-    """The answer is this file in the sandbox, read at the end of the episode (LLM-in-Sandbox)."""
+    """The answer is this file in the sandbox, read (up to 64 KiB) at the end of the episode
+    when `submit` carried no answer."""
     result_format: str | None = None
+    """How the tests report (see the task.toml keys)."""
     agent_command: str | list[str] | None = None
     """An external agent run per episode through the gateway: argv, or a shell string."""
     agent_timeout_s: float | None = Field(default=None, gt=0)
+    """Wall-clock limit of the external agent."""
     agent_env: dict[str, str | int | float | bool] | None = None
+    """Environment of the external agent (docs/gateway.md)."""
 
     @field_validator("agent_command")
     @classmethod
@@ -101,7 +110,7 @@ class _Reference(BaseModel):
 
 class _Answered(_Reference):
     answer: str | None = None
-    """The gold answer (None: nothing to compare with, the reward is 0)."""
+    """The gold answer (none: nothing to compare with, the reward is 0)."""
 
 
 class MathReference(_Answered):
@@ -128,8 +137,11 @@ class ReasoningGymReference(_Answered):
 
     reward: Literal["reasoning_gym"] = "reasoning_gym"
     dataset: str
+    """The reasoning-gym dataset's registered name (`countdown`, ...)."""
     config: dict[str, Any] = Field(default_factory=dict)
+    """The dataset's config, its `seed` and `size` included."""
     index: int = Field(ge=0)
+    """The item's index in that dataset (item `i` is seeded with `seed + i`)."""
 
 
 PYTHON_PREFIX = "python:"
@@ -154,12 +166,15 @@ class PythonReference(_Reference):
 class RougeReference(_Answered):
     reward: Literal["rouge"] = "rouge"
     rouge_type: str = "rougeL"
+    """`rouge1`, `rouge2`, `rougeL`, ... (rouge-score's names; F-measure)."""
 
 
 class LlmInSandboxReference(_Answered):
     reward: Literal["llm_in_sandbox"] = "llm_in_sandbox"
     domain: str = ""
+    """The peer's domain (which of its scorers applies)."""
     qa_type: str | None = None
+    """The peer's question type (multiple choice or not)."""
 
 
 class TestsReference(_Reference):

@@ -129,6 +129,25 @@ def _load_jsonl(path: Path) -> Iterator[Task]:
             yield task_from_row(row, source=path.name, where=where)
 
 
+TASK_TOML_KEYS = {
+    "id": "Task id (default: the folder's name); letters, digits, `.`, `_`, `-`.",
+    "image": "Sandbox image of this task (default: the run's `sandbox.image`).",
+    "test_command": "Command run at submit, in the workspace, as the tests' uid (default: "
+    '`bash "$TESTS_DIR/run.sh"` when `tests/` exists).',
+    "result_format": "How the tests report their reward: `result_file` (default: JSON "
+    "`{\"reward\": x}` or `{\"passed\": n, \"total\": m}` in `$SANDPIPER_RESULT_FILE`), "
+    "`tagged_line`, `reward_file`, `exit_status` (rewards/test_results.py).",
+    "subject_command": "Runs the agent's code as the agent before the tests; what it writes "
+    "to `$SUBJECT_OUT` is frozen read-only for the tests (docs/security.md).",
+    "tests_see_agent_processes": "`true`: what the agent left running stays alive for the "
+    "tests, which then run on a plain copy of the workspace (default `false`: every agent "
+    "process is killed first).",
+    "split": "`train` or `validation`; states the split (the hash split leaves it alone).",
+    "format": "A label shown by `tasks list` (default `folder`).",
+}
+"""Keys of a ``task.toml`` read here, besides the reward reference's (``REFERENCE_KEYS``);
+docs/tasks.md is generated from both (:mod:`sandpiper.collector.tasks.doc`)."""
+
 OVERRIDE_KEYS = ("instruction", "system", "image")
 """Fields of an index row with ``data_dir`` that replace the folder's own (an open-instruct
 dataset row's prompt and per-sample image, kept by ``sandpiper tasks import``)."""

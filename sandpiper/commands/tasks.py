@@ -104,6 +104,21 @@ def register(app: typer.Typer) -> None:
             for row in skipped:
                 typer.echo(f"  {row['reason'][:200]}")
 
+    @tasks_app.command("docs", cls=VerboseCommand)
+    def docs(
+        write: Annotated[
+            bool, typer.Option("--write", help="Rewrite the generated part of docs/tasks.md.")
+        ] = False,
+    ) -> None:
+        """Print the reward kinds, task.toml keys and the tests' environment as docs/tasks.md
+        holds them (generated from the code; ``--write`` updates the page)."""
+        from sandpiper.collector.tasks import doc
+
+        if write:
+            doc.write()
+        else:
+            typer.echo(doc.render(), nl=False)
+
     @tasks_app.command("list", cls=VerboseCommand)
     def list_(
         source: Annotated[Path, typer.Argument(help="JSONL file, task folder or folder of them.")],
