@@ -23,7 +23,7 @@ import json
 import logging
 import tomllib
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -112,6 +112,7 @@ class RunConfig(_Part):
             learner=self.learner,
             tracking=self.tracking,
             collector_heartbeat_ttl_s=self.collector.heartbeat_ttl_s,
+            logprobs_mode=self.inference.logprobs_mode,
         )
 
     def _run_fields(self) -> dict[str, Any]:
@@ -173,6 +174,9 @@ class LearnerSettings(_Settings):
     collector_heartbeat_ttl_s: float = Field(gt=0)
     """``collector.heartbeat_ttl_s``: how long a silent collector still holds the checkpoints
     it may load (checkpoint retention)."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """``inference.logprobs_mode``: processed sampling logprobs are scored at each group's
+    sampling temperature, raw ones at 1 (the config refuses raw ones at any other)."""
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

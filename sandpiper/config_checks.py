@@ -153,12 +153,41 @@ def check_run(r: Any) -> None:
             f"must be >= inference.max_model_len = {inf.max_model_len} (a micro-batch holds "
             "at least one whole sequence; a longer one would be packed alone, past the bound)",
         )  # fmt: skip
+    if lrn.algo == "grpo":
+        check_scoring(c, inf)
     ports = range(inf.base_port, inf.base_port + inf.num_servers)
     if not inf.server_urls and c.gateway_port in ports:
         raise refuse(
             "collector.gateway_port", c.gateway_port,
             f"is one of the inference servers' ports {ports.start}..{ports.stop - 1}: pick "
             "another, or 0 for any free port",
+        )  # fmt: skip
+
+
+def check_scoring(c: Any, inf: Any) -> None:
+    """The learner's logprobs must be of the distribution the tokens were sampled from, as
+    the stored sampling logprobs are: vLLM's raw logprobs are before temperature and top-p,
+    so they describe it only at temperature 1 and top_p 1; processed ones are of ``logits /
+    temperature``, which the learner reproduces (it does not reproduce top-p's nucleus)."""
+    if c.top_p != 1.0:
+        raise refuse(
+            "collector.top_p", c.top_p,
+            'with learner.algo = "grpo" must be 1: the learner does not score tokens under '
+            "top-p's nucleus, so the importance weight would not describe the sampling "
+            "distribution",
+        )  # fmt: skip
+    if inf.logprobs_mode == "raw_logprobs" and c.temperature != 1.0:
+        raise refuse(
+            "collector.temperature", c.temperature,
+            'with inference.logprobs_mode = "raw_logprobs" must be 1 (raw logprobs are before '
+            'temperature); use inference.logprobs_mode = "processed_logprobs", which the '
+            "learner scores at each group's temperature",
+        )  # fmt: skip
+    if c.temperature == 0.0:
+        raise refuse(
+            "collector.temperature", c.temperature,
+            'with learner.algo = "grpo" must be > 0 (greedy samples have no sampling '
+            "distribution to correct for)",
         )  # fmt: skip
 
 
@@ -171,6 +200,10 @@ RULES = (
     "inference.max_model_len`.",
     "A learner micro-batch holds a whole sequence: `learner.micro_batch_tokens >= "
     "inference.max_model_len`.",
+    'GRPO scores tokens as they were sampled: `learner.algo = "grpo"` needs '
+    "`collector.top_p = 1`, and `collector.temperature = 1` unless `inference.logprobs_mode = "
+    '"processed_logprobs"` (then any temperature > 0: the learner divides its logits by the '
+    "group's temperature).",
     "Ports fit: launched servers use `inference.base_port .. base_port + num_servers - 1 <= "
     "65535`, and `collector.gateway_port` is none of them.",
     "`collector.heartbeat_ttl_s > collector.heartbeat_s` (a collector is judged dead only after "

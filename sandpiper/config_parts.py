@@ -383,7 +383,22 @@ class LearnerConfig(_Part):
     """SFT trains on the episodes whose reward is at least this (any finite number: a task's
     test script may report any score, a banned pattern gives ``-banned_penalty``)."""
     micro_batch_tokens: int = Field(default=4096, ge=16)
-    """Packed tokens per forward pass."""
+    """Packed tokens per forward pass. A sequence is never split, so a micro-batch must
+    hold the longest one: at least ``inference.max_model_len``."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Training precision. ``bf16``: DeepSpeed's bf16 mode (bf16 weights, activations and
+    gradients, fp32 master weights and optimiser state). ``fp32``: everything in fp32.
+    ``auto``: bf16 on CUDA, fp32 on CPU (bf16 was measured slower on this project's CPUs,
+    see docs/learner.md). Sets ``bf16.enabled`` of the DeepSpeed config, whose own value
+    must be absent, ``"auto"`` or the same."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them
+    (transformers' non-reentrant checkpointing): activation memory of one layer instead of
+    all, for about a third more compute."""
+    logprob_chunk_tokens: int = Field(default=1024, ge=1)
+    """Loss tokens whose logits are computed at a time (the output layer runs on chunks of
+    this many selected hidden states; see docs/learner.md): peak logit memory is this times
+    the vocabulary, not tokens times the vocabulary."""
     claim_lease_s: float = Field(default=600.0, gt=0)
     """A claimed batch returns to the pool if its learner registers nothing for this long
     (a learner killed mid-step frees its groups after this lease)."""

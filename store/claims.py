@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sandpiper.store import backends, dead, leases, schema, train_arrays
 from sandpiper.store.records import (
     Fence,
+    GroupSampling,
     GroupStatus,
     Split,
     TrainBatch,
@@ -167,6 +168,12 @@ def load_groups(
         g = T.groups
         q = sa.select(g.c.group_id, g.c.task_id, g.c.min_policy_version)
         meta = {r.group_id: r for r in conn.execute(q.where(g.c.group_id.in_(ids)))}
+    g = T.groups
+    sampled = conn.execute(
+        sa.select(g.c.group_id, g.c.sampling_params).where(g.c.group_id.in_(ids))
+    )
+    temperature = {r.group_id: GroupSampling.from_json(r.sampling_params).temperature
+                   for r in sampled}  # fmt: skip
     by_group: dict[str, list[TrainEpisode]] = {gid: [] for gid in ids}
     for gid, ep in _episodes(conn, group_ids=ids):
         by_group[gid].append(ep)
@@ -179,6 +186,7 @@ def load_groups(
                 current if meta[gid].min_policy_version is None else meta[gid].min_policy_version
             ),
             episodes=tuple(by_group[gid]),
+            temperature=temperature.get(gid, 1.0),
         )
         for gid in ids
     )

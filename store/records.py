@@ -452,6 +452,9 @@ class TrainGroup:
     min_policy_version: int
     """Oldest policy version of any sampled token in the group (what staleness uses)."""
     episodes: tuple[TrainEpisode, ...]
+    temperature: float = 1.0
+    """Sampling temperature of the group's episodes (``groups.sampling_params``): the
+    learner scores their tokens at it when the stored logprobs are processed ones."""
 
 
 @dataclass(frozen=True, slots=True)

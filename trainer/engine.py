@@ -19,11 +19,16 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from sandpiper.errors import ConfigError
+
 log = logging.getLogger(__name__)
+
+Precision = Literal["bf16", "fp32"]
+"""A resolved ``learner.precision``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,8 +226,25 @@ def destroy_engine(engine: Any) -> None:
             cached.cache_clear()
 
 
-def load_ds_config(path: str | Path, *, world_size: int, max_grad_norm: float) -> dict[str, Any]:
-    """Read a DeepSpeed JSON and pin the fields the learner owns."""
+CPU_AUTO_PRECISION: Precision = "fp32"
+"""What ``learner.precision = "auto"`` means on a CPU. Measured on this project's CPU (x86-64
+with ``avx512_bf16``, no AMX; ``bench/learner_precision.py``): see docs/learner.md."""
+
+
+def resolve_precision(setting: str, device: torch.device) -> Precision:
+    """``learner.precision`` on ``device``: bf16 on CUDA and fp32 on CPU for ``auto``."""
+    if setting == "auto":
+        return "bf16" if device.type == "cuda" else CPU_AUTO_PRECISION
+    if setting not in ("bf16", "fp32"):
+        raise ConfigError(f"learner.precision = {setting!r}: use auto, bf16 or fp32")
+    return "bf16" if setting == "bf16" else "fp32"
+
+
+def load_ds_config(
+    path: str | Path, *, world_size: int, max_grad_norm: float, precision: Precision = "fp32"
+) -> dict[str, Any]:
+    """Read a DeepSpeed JSON and pin the fields the learner owns (``precision`` included:
+    the JSON's ``bf16.enabled`` may be absent, ``"auto"`` or agree, never contradict it)."""
     config = json.loads(Path(path).read_text())
     config.pop("optimizer", None)  # the learner passes torch AdamW
     config.pop("scheduler", None)
@@ -234,7 +256,25 @@ def load_ds_config(path: str | Path, *, world_size: int, max_grad_norm: float) -
         zero_allow_untested_optimizer=True,
         zero_force_ds_cpu_optimizer=False,
     )
+    config["bf16"] = {**config.get("bf16", {}), "enabled": _bf16_enabled(config, path, precision)}
     return config
+
+
+def _bf16_enabled(config: dict[str, Any], path: str | Path, precision: Precision) -> bool:
+    want = precision == "bf16"
+    fp16 = config.get("fp16", {}).get("enabled", False)
+    if fp16 not in (False, "auto"):
+        raise ConfigError(
+            f"{path}: fp16.enabled = {fp16!r}: the learner trains in bf16 or fp32 "
+            "(learner.precision); set it false"
+        )
+    given = config.get("bf16", {}).get("enabled", "auto")
+    if given != "auto" and given is not want:
+        raise ConfigError(
+            f"{path}: bf16.enabled = {json.dumps(given)} contradicts learner.precision "
+            f'(here {precision}): set it "auto" (the learner decides) or change the precision'
+        )
+    return want
 
 
 def build_engine(
@@ -245,13 +285,25 @@ def build_engine(
     lr: float,
     weight_decay: float,
     max_grad_norm: float,
+    precision: str = "fp32",
+    gradient_checkpointing: bool = False,
 ) -> Any:
-    """Wrap ``model`` in a DeepSpeed engine with torch AdamW."""
+    """Wrap ``model`` in a DeepSpeed engine with torch AdamW.
+
+    ``precision`` (``learner.precision``, resolved for ``world.device``): ``bf16`` is
+    DeepSpeed's bf16 mode: the module is cast to bf16 (forward, activations, gradients) and
+    the optimiser steps fp32 master weights. ``gradient_checkpointing``: transformers'
+    non-reentrant activation checkpointing of every decoder layer (correct with packed
+    position ids: the recompute sees the same ``position_ids``, and no attention mask).
+    """
     import deepspeed
 
     config = load_ds_config(
-        ds_config_path, world_size=world.world_size, max_grad_norm=max_grad_norm
-    )
+        ds_config_path, world_size=world.world_size, max_grad_norm=max_grad_norm,
+        precision=resolve_precision(precision, world.device),
+    )  # fmt: skip
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(world.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)

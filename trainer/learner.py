@@ -32,7 +32,14 @@ import torch.distributed as dist
 
 from sandpiper.config import LearnerSettings
 from sandpiper.errors import LearnerError, NotLeaderError, PolicyConflictError, StoreError
-from sandpiper.store.records import Fence, LeaseRecord, PolicyRecord, TrainBatch, TrainEpisode
+from sandpiper.store.records import (
+    Fence,
+    LeaseRecord,
+    PolicyRecord,
+    TrainBatch,
+    TrainEpisode,
+    TrainGroup,
+)
 from sandpiper.store.step_metrics import StepMetrics
 from sandpiper.trainer import resume
 from sandpiper.trainer.advantages import batch_advantages
@@ -69,6 +76,14 @@ def _brief(metrics: StepMetrics) -> str:
     values = metrics.to_json()
     shown = [f"{label} {values[key]:.3g}" for key, label in _LOG_METRICS.items() if key in values]
     return (", " + ", ".join(shown)) if shown else ""
+
+
+def score_temperature(group: TrainGroup, logprobs_mode: str) -> float:
+    """The temperature the learner scores ``group``'s tokens at, so that its logprobs are of
+    the same distribution as the stored sampling logprobs: vLLM's processed logprobs are of
+    ``logits / temperature`` (what the tokens were sampled from), its raw ones of the logits
+    (the config allows raw ones only at temperature 1, where the two agree)."""
+    return group.temperature if logprobs_mode == "processed_logprobs" else 1.0
 
 
 class LearnerStore(Protocol):
@@ -139,6 +154,8 @@ class Learner:
             self.engine = build_engine(
                 model, ds_config_path=self.lc.deepspeed_config, world=world, lr=self.lc.lr,
                 weight_decay=self.lc.weight_decay, max_grad_norm=self.lc.max_grad_norm,
+                precision=self.lc.precision,
+                gradient_checkpointing=self.lc.gradient_checkpointing,
             )  # fmt: skip
             if self.lc.save_train_state and resume.has_train_state(start_dir):
                 resume.load_train_state(self.engine, start_dir, rank=world.rank)
@@ -268,6 +285,7 @@ class Learner:
         for kept in adv.kept:
             group = by_id[kept.group_id]
             lag = self.version - group.min_policy_version
+            temperature = score_temperature(group, self.cfg.logprobs_mode)
             for episode, a in zip(group.episodes, kept.advantages_G, strict=True):
                 if a is None:
                     continue
@@ -279,7 +297,7 @@ class Learner:
                     seqs.append(
                         TrainSequence(
                             seq_id, episode.token_ids_T[lo:hi], episode.loss_mask_T[lo:hi],
-                            episode.behaviour_logprobs_T[lo:hi], a, lag,
+                            episode.behaviour_logprobs_T[lo:hi], a, lag, temperature,
                         )
                     )  # fmt: skip
         lags = Counter(self.version - g.min_policy_version for g in batch.groups)
@@ -308,7 +326,9 @@ class Learner:
         ref_T = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_T = packed_logprobs(self.ref_model, micro)
+                ref_T = packed_logprobs(
+                    self.ref_model, micro, chunk_tokens=self.lc.logprob_chunk_tokens
+                )
         return grpo_loss(
             logp_T, logp_prox_T, micro.logp_behav_T, micro.advantages_T, micro.loss_mask_T,
             micro.token_scale_T, micro.seq_index_T, micro.num_seqs, self.loss_cfg, ref_T,
@@ -323,7 +343,10 @@ class Learner:
                 build_minibatch(mb, learner_cfg=self.lc, world=self.world)
                 for mb in split_minibatches(seqs, self.lc.minibatches)
             ]
-            result = optimise(self.engine, minibatches, self._grpo_loss, epochs=self.lc.epochs)
+            result = optimise(
+                self.engine, minibatches, self._grpo_loss, epochs=self.lc.epochs,
+                logprob_chunk_tokens=self.lc.logprob_chunk_tokens,
+            )  # fmt: skip
             metrics.update(reduce_stats(result.stats, self.world).summary())
             metrics.grad_norm = result.grad_norm
             metrics.optimizer_steps = result.optimizer_steps

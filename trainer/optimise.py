@@ -22,6 +22,7 @@ import torch.distributed as dist
 from sandpiper.trainer.engine import World
 from sandpiper.trainer.loss import LossStats
 from sandpiper.trainer.packing import (
+    DEFAULT_LOGPROB_CHUNK_TOKENS,
     MicroBatch,
     TrainSequence,
     pack,
@@ -100,6 +101,7 @@ def optimise(
     *,
     epochs: int,
     proximal: bool = True,
+    logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
 ) -> PassResult:
     """Run ``epochs`` over ``minibatches``; one optimiser step per minibatch.
 
@@ -115,14 +117,16 @@ def optimise(
         with torch.no_grad():
             for mb in minibatches:
                 for micro in mb:
-                    prox[id(micro)] = packed_logprobs(engine, micro)
+                    prox[id(micro)] = packed_logprobs(
+                        engine, micro, chunk_tokens=logprob_chunk_tokens
+                    )
                     tokens += micro.num_tokens
     stats, steps, grad_norm = LossStats(), 0, 0.0
     for _ in range(epochs):
         for mb in minibatches:
             for j, micro in enumerate(mb):
                 engine.set_gradient_accumulation_boundary(j == len(mb) - 1)
-                logp_T = packed_logprobs(engine, micro)
+                logp_T = packed_logprobs(engine, micro, chunk_tokens=logprob_chunk_tokens)
                 logp_prox_T = prox[id(micro)] if need_prox else logp_T.detach()
                 loss, micro_stats = loss_fn(logp_T, micro, logp_prox_T)
                 engine.backward(loss)

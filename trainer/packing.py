@@ -14,13 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from sandpiper.errors import LearnerError
+from sandpiper.trainer.logprobs import NO_LOGITS, selected_logprobs, supports_chunked
+
+DEFAULT_LOGPROB_CHUNK_TOKENS = 1024
+"""Loss tokens per output-layer chunk (``learner.logprob_chunk_tokens``' default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,9 @@ class TrainSequence:
     """GRPO advantage of the episode (0.0 for SFT)."""
     staleness: int = 0
     """Policy versions between the oldest sampled token and the version being trained."""
+    temperature: float = 1.0
+    """Temperature the learner scores the tokens at: the group's sampling temperature when
+    the stored logprobs are processed ones, 1 (raw logits) otherwise (``score_temperature``)."""
 
     @property
     def loss_tokens(self) -> int:
@@ -70,6 +77,9 @@ class MicroBatch:
     """(R*L,) float32 loss normaliser per token (aggregation mode, see ``token_scales``)."""
     num_seqs: int
     """Sequences including padding segments (the size of per-sequence reductions)."""
+    temperature_T: torch.Tensor | None = None
+    """(R*L,) float32 temperature each token is scored at; None = 1 everywhere (raw logits,
+    no division)."""
 
     @property
     def num_tokens(self) -> int:
@@ -166,6 +176,7 @@ def pack_rows(
     behav = np.where(mask, behav, 0.0).astype(np.float32)
     adv = np.concatenate([np.full(len(s.token_ids_T), s.advantage) for s in seqs])
     scale = np.concatenate([np.full(len(s.token_ids_T), c) for s, c in flat])
+    temps = np.concatenate([np.full(len(s.token_ids_T), s.temperature) for s in seqs])
 
     def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
@@ -179,6 +190,7 @@ def pack_rows(
         advantages_T=t(adv, torch.float32),
         token_scale_T=t(scale, torch.float32),
         num_seqs=len(seqs),
+        temperature_T=None if (temps == 1.0).all() else t(temps, torch.float32),
     )
 
 
@@ -198,25 +210,47 @@ def _check_finite(
         )
 
 
-def packed_logprobs(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
+def packed_logprobs(
+    model: torch.nn.Module, micro: MicroBatch, *, chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS
+) -> torch.Tensor:
     """(R*L,) float32 log-probability of each loss token given its own sequence's prefix.
 
-    Raw model logprobs (no temperature), matching what vLLM stores in ``raw_logprobs`` mode.
-    Entries outside ``micro.loss_mask_T`` are 0.
+    ``model`` is a causal LM or a DeepSpeed engine around one (called through the engine, so
+    that its hooks run). The logits are divided by each sequence's sampling temperature
+    (``micro.temperature_T``; None = 1, raw model logprobs, what vLLM stores in
+    ``raw_logprobs`` mode). Entries outside ``micro.loss_mask_T`` are 0.
+
+    Only the loss tokens' logprobs are computed, ``chunk_tokens`` at a time from the last
+    hidden state (:mod:`sandpiper.trainer.logprobs`): no (tokens x V) logits, forward or
+    backward. Architectures whose logits are not the plain output layer get full logits.
     """
-    out = model(
-        input_ids=micro.input_ids,
-        position_ids=micro.position_ids,
-        attention_mask=None,
-        use_cache=False,
-    )
-    logits = out.logits[:, :-1]
-    targets = micro.input_ids[:, 1:]
+    inner = getattr(model, "module", None)
+    module: Any = inner if isinstance(inner, torch.nn.Module) else model
     # Only tokens in the loss need a log-softmax over the vocabulary (prompt and tool tokens
     # are most of an agent's context): select them before the cross-entropy.
     needed = micro.loss_mask_T.view(micro.input_ids.shape)[:, 1:]
-    picked = -F.cross_entropy(logits[needed].float(), targets[needed], reduction="none")
-    next_logp = torch.zeros(targets.shape, dtype=picked.dtype, device=picked.device)
+    targets = micro.input_ids[:, 1:][needed]
+    temperature = None
+    if micro.temperature_T is not None:
+        temperature = micro.temperature_T.view(micro.input_ids.shape)[:, 1:][needed]
+    inputs = dict(
+        input_ids=micro.input_ids, position_ids=micro.position_ids, attention_mask=None,
+        use_cache=False,
+    )  # fmt: skip
+    if supports_chunked(module):
+        out = model(**inputs, output_hidden_states=True, logits_to_keep=NO_LOGITS)
+        hidden = out.hidden_states[-1][:, :-1][needed]  # after the final norm (tied)
+        del out
+        picked = selected_logprobs(
+            module.get_output_embeddings(), hidden, targets,
+            chunk_tokens=chunk_tokens, temperature_N=temperature,
+        )  # fmt: skip
+    else:
+        logits = model(**inputs).logits[:, :-1][needed].float()
+        if temperature is not None:
+            logits = logits / temperature[:, None]
+        picked = -F.cross_entropy(logits, targets, reduction="none")
+    next_logp = torch.zeros(needed.shape, dtype=picked.dtype, device=picked.device)
     next_logp = next_logp.masked_scatter(needed, picked)
     logp = torch.cat([next_logp.new_zeros(next_logp.shape[0], 1), next_logp], dim=1)
     return logp.reshape(-1)

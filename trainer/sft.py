@@ -70,7 +70,12 @@ def run_sft(learner: Learner) -> dict[str, float]:
         ]
         # Every epoch re-reads the data; no importance weights, so no proximal pass needed.
         result = optimise(
-            learner.engine, minibatches, nll_loss, epochs=learner.lc.epochs, proximal=False
+            learner.engine,
+            minibatches,
+            nll_loss,
+            epochs=learner.lc.epochs,
+            proximal=False,
+            logprob_chunk_tokens=learner.lc.logprob_chunk_tokens,
         )
         tokens = reduce_stats(result.stats, learner.world).tokens
         metrics.sft_nll = nll["sum"] / max(result.stats.tokens, 1.0)

@@ -64,6 +64,23 @@ def test_a_micro_batch_holds_a_whole_sequence() -> None:
     )
 
 
+def test_grpo_scores_tokens_as_they_were_sampled() -> None:
+    """Raw sampling logprobs are before temperature: GRPO at another temperature needs the
+    processed ones (the learner then divides by it); top-p's nucleus is never reproduced."""
+    message = _refused("--collector.temperature", "0.7")
+    assert "collector.temperature = 0.7: " in message and "processed_logprobs" in message
+    cfg = load_config(None, ["--collector.temperature", "0.7",
+                             "--inference.logprobs_mode", "processed_logprobs"])  # fmt: skip
+    assert cfg.for_learner().logprobs_mode == "processed_logprobs"
+    assert "collector.top_p = 0.9: " in _refused("--collector.top_p", "0.9")
+    assert "collector.temperature = 0.0: " in _refused(
+        "--collector.temperature", "0", "--inference.logprobs_mode", "processed_logprobs"
+    )
+    sft = load_config(None, ["--learner.algo", "sft", "--collector.top_p", "0.9",
+                             "--collector.temperature", "0.7"])  # fmt: skip
+    assert sft.collector.top_p == 0.9
+
+
 def test_ports_fit_and_the_gateway_is_not_a_servers_port() -> None:
     message = _refused("--inference.base_port", "65535", "--inference.num_servers", "2")
     assert "inference.base_port = 65535" in message and "65536" in message
