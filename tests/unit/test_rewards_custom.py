@@ -27,7 +27,11 @@ def _ref(row: dict) -> PythonReference:
 def test_the_reward_names_a_function_and_round_trips():
     ref = _ref({"prompt": "2+2?", "answer": "4", "reward": F + "trl_exact", "level": 3})
     assert ref.function == "tests.fixtures.reward_functions:trl_exact"
-    assert ref.prompt == "2+2?" and ref.row == {"answer": "4", "reward": F + "trl_exact", "level": 3}
+    assert ref.prompt == "2+2?" and ref.row == {
+        "answer": "4",
+        "reward": F + "trl_exact",
+        "level": 3,
+    }
     assert ref.as_dict()["reward"] == F + "trl_exact"
     assert parse_reference(json.loads(json.dumps(ref.as_dict()))) == ref
     with pytest.raises(TaskError, match="unknown reward kind"):
