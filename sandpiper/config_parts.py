@@ -10,6 +10,7 @@ This module imports only pydantic and the standard library.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal, Self
 
@@ -69,6 +70,19 @@ class SandboxConfig(_Part):
 
     image: str = "localhost/sandpiper-sandbox:latest"
     """Podman image of the sandboxes (``sandpiper sandbox build-image`` builds the default)."""
+    python_packages: list[str] = Field(default_factory=list)
+    """Pinned PyPI packages (``NAME==VERSION``) that ``sandpiper sandbox build-image``
+    installs into the image at build time, with their dependencies, from the package index
+    the host's pip uses; recorded in the image's recipe hash (a new list builds a new image).
+    For tests that import a scorer's libraries (``reasoning-gym==0.1.25``, ``sympy==...``)."""
+
+    @field_validator("python_packages")
+    @classmethod
+    def _pinned(cls, packages: list[str]) -> list[str]:
+        for package in packages:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[\w,.-]*\])?==\S+", package):
+                raise ValueError(f"{package!r} is not pinned: give NAME==VERSION")
+        return packages
     pool_size: int = Field(default=4, ge=1)
     """Warm containers kept started ahead of demand."""
     max_concurrent_starts: int = Field(default=2, ge=1)

@@ -1,7 +1,7 @@
 """Build the sandbox base image locally (no registry): debootstrap → ``podman import``.
 
-The image is content-addressed: the recipe (suite, mirror, packages, post-steps, and this
-builder's version) is hashed, the image is tagged ``<repo>:<hash12>`` with the label
+The image is content-addressed: the recipe (suite, mirror, packages, pinned Python
+packages, post-steps, and this builder's version) is hashed, the image is tagged ``<repo>:<hash12>`` with the label
 ``sandpiper.recipe=<hash>`` and also tagged with the configured name (``...:latest``).
 ``ensure_image`` rebuilds only when no image carries the current hash.
 
@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,10 +46,37 @@ class ImageRecipe:
     env: tuple[str, ...] = ("LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1")
     builder_version: int = BUILDER_VERSION
     extra: dict[str, str] = field(default_factory=dict)
+    python_packages: tuple[str, ...] = ()
+    """Pinned PyPI packages (``NAME==VERSION``, ``sandbox.python_packages``) installed into the
+    image's ``/usr/local/lib/python3.X/dist-packages`` at build time, with their
+    dependencies, as wheels for the image's Python (:func:`pip_install_argv`), so a task's
+    tests can import a scorer's libraries."""
 
     def digest(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if not fields["python_packages"]:  # the recipes built before this field hash as before
+            del fields["python_packages"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+def pip_install_argv(rootfs: Path, packages: tuple[str, ...]) -> list[str]:
+    """The host's pip installing ``packages`` into ``rootfs`` for the rootfs's own Python:
+    binary wheels only (nothing is compiled on the host for another interpreter), from the
+    package index the host's pip is configured for."""
+    versions = sorted(p.name for p in (rootfs / "usr" / "lib").glob("python3.*") if p.is_dir())
+    if not versions:
+        raise SandboxError(f"no python3 in the image's rootfs ({rootfs}/usr/lib/python3.*)")
+    version = versions[-1].removeprefix("python")
+    target = rootfs / "usr" / "local" / "lib" / f"python{version}" / "dist-packages"
+    platforms = ["manylinux_2_36_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+                 "manylinux2014_x86_64", "linux_x86_64"]  # fmt: skip
+    argv = [sys.executable, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-compile",
+            "--target", str(target), "--only-binary=:all:", "--implementation", "cp",
+            "--python-version", version]  # fmt: skip
+    for platform in platforms:
+        argv += ["--platform", platform]
+    return [*argv, *packages]
 
 
 def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -115,6 +143,11 @@ def build_image(tag: str, recipe: ImageRecipe) -> None:
         if proc.returncode != 0:
             raise SandboxError(f"debootstrap failed:\n{proc.stdout.decode()[-3000:]}")
         _post_process(rootfs, recipe)
+        if recipe.python_packages:
+            proc = _run(pip_install_argv(rootfs, recipe.python_packages))
+            if proc.returncode != 0:
+                raise SandboxError(f"pip install {' '.join(recipe.python_packages)} into the "
+                                   f"image failed:\n{proc.stderr.decode()[-3000:]}")  # fmt: skip
         _import(rootfs, tag, recipe)
 
 

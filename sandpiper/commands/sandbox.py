@@ -20,12 +20,13 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, help="Rebuild even when the recipe hash matches."),
     ) -> None:
         """Build the base image (debootstrap + podman import), unless its recipe is cached."""
-        from sandpiper.collector.sandbox.image_build import ensure_image
+        from sandpiper.collector.sandbox.image_build import ImageRecipe, ensure_image
 
         cfg = resolve_config(config, ctx)
         with cli_errors():
             check_podman()
-            tag = ensure_image(cfg.sandbox.image, force=force)
+            recipe = ImageRecipe(python_packages=tuple(cfg.sandbox.python_packages))
+            tag = ensure_image(cfg.sandbox.image, recipe, force=force)
         typer.echo(f"{cfg.sandbox.image} = {tag}")
 
     @command(sandbox_app, "check")
