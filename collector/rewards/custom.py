@@ -102,7 +102,7 @@ def _call_verl(fn: Callable[..., Any], ref: PythonReference, text: str) -> Any:
 def _call_trl(fn: Callable[..., Any], ref: PythonReference, text: str) -> Any:
     conversational = isinstance(ref.prompt, list)
     completion: Any = [{"role": "assistant", "content": text}] if conversational else text
-    kwargs = {k: [v] for k, v in ref.row.items() if k not in TRL_EXCLUDED}
+    kwargs: dict[str, Any] = {k: [v] for k, v in ref.row.items() if k not in TRL_EXCLUDED}
     kwargs.update(trainer_state=None, log_extra=_no_op, log_metric=_no_op)
     prompt = ref.prompt if ref.prompt is not None else ""
     return fn(prompts=[prompt], completions=[completion], completion_ids=[None], **kwargs)
