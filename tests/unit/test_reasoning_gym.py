@@ -144,3 +144,12 @@ def test_tasks_list_shows_family_and_config(tmp_path):
     assert lines[0].split("\t")[3:] == ["reasoning_gym:countdown", "min_numbers=3 seed=7 size=2"]
     rows = [json.loads(x) for x in (out / "tasks.jsonl").read_text().splitlines()]
     assert rows[0]["config"] == {"min_numbers": 3, "seed": 7, "size": 2}
+
+
+def test_fractional_rewards_give_graded_advantages():
+    from sandpiper.trainer.advantages import group_advantages
+
+    rewards_G = [1.0, 0.05, 0.01, 0.1]  # countdown's and spiral_matrix's partial credit
+    advantages_G = group_advantages(rewards_G, [True] * 4)
+    assert advantages_G is not None
+    assert list(advantages_G.argsort()) == [2, 1, 3, 0]  # ordered as the scores, not binarised
