@@ -250,3 +250,11 @@ def learner_ready(cfg: RunConfig) -> None:
     else:
         check_writable(cfg.run_dir / "policies", "runs_dir / name (its policies/ folder)")
     check_run_identity(cfg)
+
+
+def check_memory(cfg: RunConfig, *, role: str, nproc: int | None = None) -> None:
+    """On a host with a CUDA device, the memory planner says this config's ``role`` GPUs
+    (``learner`` or ``inference``) can hold it; else the planner's table is the error."""
+    from sandpiper.commands._plan import check_fits
+
+    check_fits(cfg, role=role, nproc=nproc)
