@@ -41,13 +41,15 @@ def register(app: typer.Typer) -> None:
 
         cfg = resolve_config(config, ctx)
         with cli_errors():
-            from sandpiper.commands._preflight import check_endpoint, collector_ready
+            from sandpiper.commands._preflight import check_endpoint, check_memory, collector_ready
 
             if eval_mode and not endpoint:
                 raise typer.BadParameter("--eval needs --endpoint URL")
             if endpoint and eval_mode:
                 check_endpoint(endpoint)  # first: named in a second, before the sandbox checks
             collector_ready(cfg, launch_servers=not eval_mode and not cfg.inference.server_urls)
+            if not eval_mode:
+                check_memory(cfg, role="inference")
             write_resolved(cfg)
             if endpoint and eval_mode:
                 from sandpiper.collector.daemon.eval import evaluate

@@ -35,9 +35,10 @@ def register(app: typer.Typer) -> None:
         ctx.args = extra
         cfg = resolve_config(config, ctx)
         with cli_errors():
-            from sandpiper.commands._preflight import learner_ready
+            from sandpiper.commands._preflight import check_memory, learner_ready
 
             learner_ready(cfg)
+            check_memory(cfg, role="learner", nproc=nproc)
         if nproc > 1:
             from sandpiper.trainer.engine import free_port
 
