@@ -32,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from sandpiper.collector.rewards.reference import PythonReference
 from sandpiper.collector.tasks.formats import (
     aviato,
     code_checks,
@@ -326,6 +327,15 @@ def _write_toml(path: Path, data: dict[str, Any]) -> None:
 
 def _index_row(task: Task, out: Path) -> dict[str, Any]:
     if task.data_dir is None:
+        ref = task.reference
+        if isinstance(ref, PythonReference):  # the row as it was: the function reads its fields
+            row = {
+                **ref.row,
+                "id": task.task_id,
+                "prompt": ref.prompt,
+                "reward": ref.as_dict()["reward"],
+            }
+            return {**row, "split": task.split.value}
         row = {"id": task.task_id, "prompt": task.instruction, **task.reference.as_dict()}
         if task.system_prompt:
             row["system"] = task.system_prompt

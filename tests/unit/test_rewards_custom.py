@@ -127,3 +127,18 @@ def test_score_answer_sends_the_function_to_the_worker(monkeypatch):
         assert outcome.reward == 1.0 and worker._proc is not None
     finally:
         worker.close()
+
+
+def test_an_imported_row_keeps_the_fields_its_function_reads(tmp_path):
+    from sandpiper.collector.tasks.importer import import_tasks
+
+    row = {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "2+2?"}],
+           "reward_model": {"style": "rule", "ground_truth": "4"}, "extra_info": {"index": 0},
+           "reward": F + "compute_score"}  # fmt: skip
+    source = tmp_path / "verl.jsonl"
+    source.write_text(json.dumps(row) + "\n")
+    [task] = import_tasks(source, tmp_path / "out")
+    [again] = load_tasks(tmp_path / "out")
+    assert again.reference == task.reference
+    assert again.reference.row["reward_model"]["ground_truth"] == "4"
+    assert compute_reward(again.reference, answer="it is 4").reward == 1.0
