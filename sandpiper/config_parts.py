@@ -425,9 +425,27 @@ class LearnerConfig(_Part):
     it. Another ``sandpiper learn`` on the run waits as a standby and takes over this long
     after the leader stopped renewing (docs/scaleout.md)."""
     save_train_state: bool = True
-    """Save optimiser, scheduler and RNG state with every version, so that a resumed
-    learner (or a standby taking over) continues exactly; with retention on, only the
-    newest version keeps it. Off: resumes with fresh AdamW moments."""
+    """Save optimiser, scheduler and RNG state (every ``train_state_every`` versions and
+    at a clean stop), so that a resumed learner (or a standby taking over) continues
+    exactly from the newest version that has it; with retention on, only that version keeps
+    it. Off: resumes from the newest weights with fresh AdamW moments."""
+    train_state_every: int = Field(default=1, ge=1)
+    """Save the training state with every this-many-th version (and with the last one of a
+    clean stop). The weights are published with every version either way; the training
+    state (fp32 weights, AdamW moments: 12 bytes a parameter, about 50 GB for 4 B) costs
+    most of a step's writing at real size. A learner that crashed resumes from the newest
+    version that has it: the updates of up to ``train_state_every - 1`` later versions are
+    lost (their groups stay consumed) and the next version is trained from that state
+    (docs/learner.md, "Publishing")."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the learner trains. ``cuda`` refuses to start without a usable GPU and names
+    what is missing; ``auto`` takes the GPU when there is one (and logs which it took);
+    ``cpu`` never uses CUDA. Sets DeepSpeed's accelerator and the backend (NCCL / gloo)."""
+    collective_timeout_s: float = Field(default=600.0, gt=0)
+    """How long one collective between learner ranks may take before the run aborts
+    (torch.distributed's process-group timeout; DeepSpeed's default is 600 s). Rank 0's
+    waits for a batch, the lease or the store never count against it: ranks meet in the
+    rendezvous store before each collective (docs/learner.md, "Devices")."""
     checkpoint_keep_last: int = Field(default=3, ge=1)
     """Retention: keep the newest this many versions (at least 1)."""
     checkpoint_keep_every: int = Field(default=0, ge=0)

@@ -24,6 +24,8 @@ from typing import Any, Literal
 import torch
 
 from sandpiper.errors import ConfigError
+from sandpiper.trainer import devices, ranks
+from sandpiper.trainer.devices import DeviceSetting, choose_device
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +75,19 @@ _OWN_WORLD_ENV: dict[str, str | None] = {}
 learner, say) does not inherit a rendezvous port this process's store held (EADDRINUSE)."""
 
 
-def init_distributed() -> World:
-    """Join (or create) the process group; must run before DeepSpeed is imported elsewhere."""
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+def init_distributed(
+    device_setting: DeviceSetting = "auto", *, collective_timeout_s: float | None = None
+) -> World:
+    """Join (or create) the process group on ``device_setting`` (``learner.device``, see
+    :mod:`.devices`); must run before DeepSpeed is imported elsewhere.
+
+    ``collective_timeout_s`` (``learner.collective_timeout_s``; None = DeepSpeed's default)
+    bounds each collective of the default group. It is set once the group is up: the
+    rendezvous itself keeps DeepSpeed's default, so ranks that start a few seconds apart
+    still meet. Rank 0's long waits never run into it (:mod:`.ranks`)."""
+    choice = choose_device(device_setting, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    devices.apply(choice, announce=os.environ.get("RANK", "0") == "0")
+    on_gpu = choice.kind == "cuda"
     own_world = "RANK" not in os.environ
     if own_world:  # plain `python`: a world of one
         world = dict(
@@ -98,7 +108,7 @@ def init_distributed() -> World:
         disable_shm_comm_op()
     for attempt in range(5):
         try:
-            deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+            deepspeed.init_distributed(dist_backend=choice.backend)
             break
         except torch.distributed.DistNetworkError:
             # the free port we picked was taken before the store bound it (another process
@@ -106,6 +116,14 @@ def init_distributed() -> World:
             if not own_world or attempt == 4:
                 raise
             os.environ["MASTER_PORT"] = str(free_port())
+    devices.check_accelerator(choice)
+    if collective_timeout_s is not None:
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=collective_timeout_s))
+    ranks.reset()
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
@@ -121,6 +139,7 @@ def broadcast_from_main(obj: Any, world: World) -> Any:
         return obj
     import torch.distributed as dist
 
+    ranks.arrive_together(world.world_size, rank=world.rank)  # rank 0 may come much later
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -161,7 +180,7 @@ def shutdown_distributed(*, clean: bool = True) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 0
     if clean and dist.get_world_size() > 1:
-        dist.barrier()
+        ranks.arrive_together(dist.get_world_size(), rank=dist.get_rank())
     import deepspeed.comm as ds_comm
 
     if ds_comm.is_initialized():
@@ -309,18 +328,3 @@ def build_engine(
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
-
-
-def full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
-    """Consolidated fp32 weights on rank 0 (None on other ranks); gathers ZeRO-3 shards."""
-    import deepspeed
-    import torch.distributed as dist
-
-    module = engine.module
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if engine.zero_optimization_stage() == 3:
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-    else:
-        state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-    return state if rank == 0 else None

@@ -20,6 +20,7 @@ Only rank 0 talks to the store and to MLflow; what it learns is broadcast to the
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 import time
 from collections import Counter
@@ -28,7 +29,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from sandpiper.config import LearnerSettings
 from sandpiper.errors import LearnerError, NotLeaderError, PolicyConflictError, StoreError
@@ -41,13 +41,16 @@ from sandpiper.store.records import (
     TrainGroup,
 )
 from sandpiper.store.step_metrics import StepMetrics
-from sandpiper.trainer import resume
+from sandpiper.trainer import ranks, resume
 from sandpiper.trainer.advantages import batch_advantages
 from sandpiper.trainer.checkpoint import (
     commit_folder,
+    folder_bytes,
+    gather_state_dict,
     load_model,
     load_tokenizer,
     policy_folder_name,
+    publish_dtype,
     save_checkpoint,
     temp_folder,
     write_weights,
@@ -57,7 +60,6 @@ from sandpiper.trainer.engine import (
     broadcast_from_main,
     build_engine,
     destroy_engine,
-    full_state_dict,
 )
 from sandpiper.trainer.leadership import LeaseKeeper, new_learner_id, wait_for_leadership
 from sandpiper.trainer.loss import LossConfig, LossStats, grpo_loss
@@ -76,6 +78,18 @@ def _brief(metrics: StepMetrics) -> str:
     values = metrics.to_json()
     shown = [f"{label} {values[key]:.3g}" for key, label in _LOG_METRICS.items() if key in values]
     return (", " + ", ".join(shown)) if shown else ""
+
+
+def _megabytes(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _written(metrics: StepMetrics, dtype: torch.dtype) -> str:
+    """``12.3 MB written (bfloat16 weights 4.1 MB, train state 8.2 MB)``."""
+    total, state = metrics.checkpoint_bytes or 0.0, metrics.train_state_bytes
+    weights = f"{str(dtype).removeprefix('torch.')} weights {_megabytes(total - (state or 0))}"
+    parts = [weights] + ([f"train state {_megabytes(state)}"] if state is not None else [])
+    return f"{_megabytes(total)} written ({', '.join(parts)})"
 
 
 def score_temperature(group: TrainGroup, logprobs_mode: str) -> float:
@@ -147,7 +161,7 @@ class Learner:
         if world.is_main:
             self.keeper = LeaseKeeper(store, self.fence, lease_s=self.lc.leader_lease_s)
         try:
-            self.version, start_dir, v0_dir = self._resolve_start()
+            self.version, start_dir, v0_dir, state_dir = self._resolve_start()
             self.tokenizer = load_tokenizer(start_dir)
             model = load_model(start_dir)
             self.ref_model = self._reference_model(v0_dir) if self.lc.kl_coef else None
@@ -157,10 +171,12 @@ class Learner:
                 precision=self.lc.precision,
                 gradient_checkpointing=self.lc.gradient_checkpointing,
             )  # fmt: skip
-            if self.lc.save_train_state and resume.has_train_state(start_dir):
-                resume.load_train_state(self.engine, start_dir, rank=world.rank)
-                if world.is_main:
-                    log.info("resumed version %d with its optimiser and RNG state", self.version)
+            self.publish_dtype = publish_dtype(self.engine)
+            self._unsaved: Path | None = None
+            """The latest version's folder, if this learner published it without a training
+            state (:meth:`finish` adds one)."""
+            if state_dir is not None:
+                self._resume(state_dir, start_dir)
         except BaseException:
             self.close(release=True)
             raise
@@ -192,13 +208,16 @@ class Learner:
 
     # ---- start-up ------------------------------------------------------------------
 
-    def _resolve_start(self) -> tuple[int, str, str]:
-        """(version, its folder, version 0's folder) to start from; registers v0 if missing.
+    def _resolve_start(self) -> tuple[int, str, str, str | None]:
+        """(version, its folder, version 0's folder, the folder of the training state to
+        resume from or None) to start from; registers v0 if missing.
 
         Always the latest *registered* version: a learner never continues from weights it
-        did not register (a folder without a policy row is someone's unfinished work).
+        did not register (a folder without a policy row is someone's unfinished work). The
+        training state is the newest registered one (``save_train_state``), normally the
+        latest version's own (see :meth:`_resume`).
         """
-        found: tuple[int, str, str] | None = None
+        found: tuple[int, str, str, str | None] | None = None
         if self.world.is_main:
             assert self.store is not None
             latest = self.store.latest_policy(self.run_id)
@@ -211,17 +230,42 @@ class Learner:
                 latest = PolicyRecord(self.run_id, 0, str(v0.resolve()), None, None)
                 self._register(latest, claim_id=None, metrics=None)
                 first = latest
+                state = None
             else:
-                first = self.store.policies(self.run_id)[0]
-            found = (latest.version, latest.checkpoint_uri, first.checkpoint_uri)
-        version, uri, v0_uri = broadcast_from_main(found, self.world)
+                policies = self.store.policies(self.run_id)
+                first = policies[0]
+                state = resume.newest_with_state(policies) if self.lc.save_train_state else None
+            state_uri = None if state is None else state.checkpoint_uri
+            found = (latest.version, latest.checkpoint_uri, first.checkpoint_uri, state_uri)
+        version, uri, v0_uri, state_uri = broadcast_from_main(found, self.world)
         if not Path(uri).is_dir():
             raise LearnerError(
                 f"policy {version} of run {self.run_id}: {uri} is not a folder this host can "
                 "read; put learner.checkpoint_dir on a filesystem every learner and collector "
                 "host mounts at the same path"
             )
-        return version, uri, v0_uri
+        return version, uri, v0_uri, state_uri
+
+    def _resume(self, state_dir: str, start_dir: str) -> None:
+        """Load the newest training state: weights, optimiser, scheduler and RNG.
+
+        It is the latest version's own unless that version was published without one
+        (``train_state_every`` > 1 and the last learner did not stop cleanly): then the
+        newest state is that of an older version, and the learner continues from it, the
+        updates of the versions after it lost (their groups stay consumed). The version
+        count goes on from the latest version, which stays registered and served until the
+        next one replaces it."""
+        resume.load_train_state(self.engine, state_dir, rank=self.world.rank)
+        if not self.world.is_main:
+            return
+        if Path(state_dir) == Path(start_dir):
+            log.info("resumed version %d with its optimiser and RNG state", self.version)
+        else:
+            log.warning(
+                "version %d has no training state: resumed from the newest one, in %s (its "
+                "weights, optimiser and RNG); the updates of the versions after it are lost",
+                self.version, state_dir,
+            )  # fmt: skip
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -253,6 +297,7 @@ class Learner:
                 break
             self.train_step(got)
             steps += 1
+        self.finish()
         return steps
 
     def _next_batch(self) -> TrainBatch | str | None:
@@ -366,24 +411,53 @@ class Learner:
         raises: the learner never continues from weights it did not register.
         """
         new_version = self.version + 1
-        state = full_state_dict(self.engine)
+        with_state = self._state_due(new_version)
+        weights = gather_state_dict(self.engine, dtype=self.publish_dtype, rank=self.world.rank)
         train_s = time.perf_counter() - started
         out = self.checkpoint_dir / policy_folder_name(new_version, self.term)
         tmp = broadcast_from_main(temp_folder(out) if self.world.is_main else None, self.world)
-        if self.world.is_main:
-            write_weights(self.engine.module, tmp, tokenizer=self.tokenizer, state_dict=state)
-        if self.lc.save_train_state:
+        if with_state:  # collective, first: the ranks are together here
             resume.save_train_state(self.engine, tmp, rank=self.world.rank)
-        if self.world.world_size > 1:
-            dist.barrier()
+        if self.world.is_main:  # then rank 0 alone, while the others wait outside a collective
+            write_weights(self.engine.module, tmp, tokenizer=self.tokenizer, state_dict=weights)
+        del weights
+        ranks.arrive_together(self.world.world_size, rank=self.world.rank)  # all shards written
         refused = None
         if self.world.is_main:
             refused = self._commit(new_version, tmp, out, metrics, started, train_s, claim_id)
         refused = broadcast_from_main(refused, self.world)
         if refused is not None:
             raise LearnerError(refused)
-        self.version = new_version
+        self.version, self._unsaved = new_version, out if not with_state else None
         return metrics.to_json()
+
+    def _state_due(self, version: int) -> bool:
+        """Whether ``version`` is published with the training state: every
+        ``train_state_every``-th, and the last one before ``max_steps`` stops the run."""
+        if not self.lc.save_train_state:
+            return False
+        last = bool(self.lc.max_steps) and version >= self.lc.max_steps
+        return last or version % self.lc.train_state_every == 0
+
+    def finish(self) -> None:
+        """At a clean stop: add the training state to the latest version if this learner
+        published it without one (``train_state_every`` > 1), so that a restart resumes
+        exactly. Collective. Written to a temporary sub-folder, renamed once every rank is
+        done: a reader sees the whole state or none."""
+        folder = self._unsaved
+        if folder is None:
+            return
+        name = broadcast_from_main(
+            f".{resume.STATE_DIR}.tmp-{secrets.token_hex(4)}" if self.world.is_main else None,
+            self.world,
+        )
+        resume.save_train_state(self.engine, folder, rank=self.world.rank, name=name)
+        ranks.arrive_together(self.world.world_size, rank=self.world.rank)
+        if self.world.is_main:
+            (folder / name).rename(folder / resume.STATE_DIR)
+            log.info("policy v%d: training state added at the stop (%s)", self.version,
+                     _megabytes(folder_bytes(folder / resume.STATE_DIR)))  # fmt: skip
+        self._unsaved = None
 
     def _commit(
         self, new_version: int, tmp: Path, out: Path, metrics: StepMetrics,
@@ -394,6 +468,9 @@ class Learner:
             commit_folder(tmp, out)
         except LearnerError as e:
             return str(e)
+        metrics.checkpoint_bytes = float(folder_bytes(out))
+        if (out / resume.STATE_DIR).is_dir():
+            metrics.train_state_bytes = float(folder_bytes(out / resume.STATE_DIR))
         metrics.train_s = train_s
         metrics.step_s = step_s = time.perf_counter() - started
         metrics.tokens_per_s = (metrics.tokens or 0.0) / max(train_s, 1e-9)
@@ -407,8 +484,9 @@ class Learner:
             log.error("%s", e)
             return str(e)
         log.info(
-            "policy v%d: %.0f tokens in %.1f s (%.0f tokens/s)%s",
+            "policy v%d: %.0f tokens in %.1f s (%.0f tokens/s)%s; %s",
             new_version, metrics.tokens or 0.0, step_s, metrics.tokens_per_s, _brief(metrics),
+            _written(metrics, self.publish_dtype),
         )  # fmt: skip
         if self.tracker is not None:
             self.tracker.log_step(new_version, metrics.to_json())

@@ -3,6 +3,8 @@ groups, minibatches x epochs, resume from the latest version, and SFT."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -108,3 +110,43 @@ def test_sft_registers_a_version_that_lowers_the_nll(tmp_path, learner_tiny_mode
     second = run_sft(learner)  # the same data again: the model has learned it
     assert second["sft/nll"] < first["sft/nll"]
     assert np.isfinite(second["loss/grad_norm"])
+
+
+def test_training_state_every_k_versions_and_at_a_clean_stop(tmp_path, learner_tiny_model, world):
+    """``train_state_every = 2``: v2 has the training state, v1 and v3 not; a learner that
+    starts then resumes from v2's state (v3 stays the latest version); :meth:`finish` (a
+    clean stop) adds v3's, and the next learner resumes from it exactly."""
+    from safetensors.torch import load_file
+
+    from sandpiper.trainer.learner import Learner
+    from sandpiper.trainer.resume import has_train_state
+
+    cfg = make_config(tmp_path, learner_tiny_model, lr=1e-3, train_state_every=2).for_learner()
+    store = MemoryStore()
+    learner = Learner(cfg, store, world)
+    store.write_groups(_groups(learner.engine.module, 6))
+    for _ in range(3):
+        batch = store.claim_batch(run_id="lt", learner_id="x", n_groups=2, max_lag=5)
+        metrics = learner.train_step(batch)
+    folders = [Path(p.checkpoint_uri) for p in store.registered]
+    assert [has_train_state(f) for f in folders] == [False, False, True, False]
+    assert metrics["checkpoint/bytes"] > 0 and "checkpoint/train_state_bytes" not in metrics
+    assert store.steps[-2]["checkpoint/train_state_bytes"] > 0  # v2's
+
+    def weights(learner) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in learner.engine.module.state_dict().items()}
+
+    crashed = Learner(cfg, store, world)  # as after a crash: v3 has no training state
+    assert crashed.version == 3
+    v2 = load_file(str(folders[2] / "model.safetensors"))
+    got = weights(crashed)
+    assert all(torch.equal(got[k], v) for k, v in v2.items())
+    crashed.close()
+    learner.finish()
+    assert has_train_state(folders[3])
+    resumed = Learner(cfg, store, world)
+    assert resumed.version == 3
+    want, got = weights(learner), weights(resumed)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    resumed.close()
+    learner.close()

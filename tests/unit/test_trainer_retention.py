@@ -136,3 +136,27 @@ def test_only_the_newest_version_keeps_its_training_state(tmp_path):
     for v in (2, 3, 4):  # the weights of every kept version stay
         assert (Path(policies[v].checkpoint_uri) / "model.safetensors").is_file()
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".trash-")]
+
+
+def test_the_newest_training_state_is_kept_when_later_versions_have_none(tmp_path):
+    """``learner.train_state_every`` > 1: v3 has the newest training state, v4 and v5 none;
+    v3 and its state stay (a restart resumes from it); v1 (a collector serves it) stays
+    without its state; v2 goes whole."""
+    ckpt = tmp_path / "policies"
+    policies = _policies(6, ckpt)
+    for p in policies:
+        (Path(p.checkpoint_uri) / "model.safetensors").parent.mkdir(parents=True)
+        (Path(p.checkpoint_uri) / "model.safetensors").write_bytes(b"x")
+    for v in (1, 3):
+        (Path(policies[v].checkpoint_uri) / "train_state" / "state").mkdir(parents=True)
+    rule = RetentionPolicy(keep_last=2, keep_every=0, grace_s=0)
+    deleted = prune_checkpoints(
+        _Store(policies, collectors=[(1, 0.0, False)]), run_id="r", checkpoint_dir=ckpt,
+        term=1, rule=rule, now=NOW,
+    )  # fmt: skip
+    assert [p.name for p in deleted] == ["v000002-t0001"]
+    assert (Path(policies[3].checkpoint_uri) / "train_state" / "state").is_dir()
+    assert not (Path(policies[1].checkpoint_uri) / "train_state").exists()
+    assert versions_to_keep(policies, rule, in_flight_from=None, now=NOW, resume_from=3) == {
+        0, 3, 4, 5,
+    }  # fmt: skip
