@@ -237,7 +237,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except FileNotFoundError:
             raise ConfigError(
                 f"config file not found: {path}; give the path of a run's TOML file (configs/ "
-                "holds the shipped ones: local.toml, demo.toml, gpu.toml)"
+                "holds the shipped ones: local.toml, demo.toml, gpu-1xh200-qwen3-4b.toml, ...)"
             ) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None

@@ -89,6 +89,36 @@ def check_inference(s: Any) -> None:
     for url in s.server_urls:
         if not url.startswith(("http://", "https://")):
             raise refuse("server_urls", url, "each must be an http:// or https:// base URL")
+    if len(set(s.gpus)) != len(s.gpus) or any(g < 0 for g in s.gpus):
+        raise refuse("gpus", s.gpus, "physical GPU ids: distinct, >= 0")
+    if s.gpus and not s.server_urls and len(s.gpus) != s.num_servers * s.tensor_parallel_size:
+        raise refuse(
+            "gpus", s.gpus,
+            f"num_servers * tensor_parallel_size = {s.num_servers * s.tensor_parallel_size} "
+            "GPUs are needed (each server gets tensor_parallel_size of them, in order)",
+        )  # fmt: skip
+    if s.device == "cpu" and s.gpus:
+        raise refuse("gpus", s.gpus, 'device = "cpu" takes no GPUs: empty it or set "cuda"')
+
+
+def check_placement(inf: Any, lrn: Any) -> None:
+    """GPUs are not shared between vLLM and the learner, except one GPU both use (the
+    one-GPU workstation), where vLLM must be told its share of the memory."""
+    shared = sorted(set(inf.gpus) & set(lrn.gpus))
+    if not shared:
+        return
+    if not (inf.gpus == lrn.gpus == shared and len(shared) == 1):
+        raise refuse(
+            "learner.gpus", lrn.gpus,
+            f"overlaps inference.gpus = {inf.gpus} on {shared}: give each process its own "
+            "GPUs (only one single GPU may be shared by both)",
+        )  # fmt: skip
+    if inf.gpu_memory_utilization is None or inf.gpu_memory_utilization > 0.8:
+        raise refuse(
+            "inference.gpu_memory_utilization", inf.gpu_memory_utilization,
+            f"GPU {shared[0]} is shared with the learner: set a share <= 0.8 (0.3-0.6 leaves "
+            "the learner its weights, optimiser state and activations)",
+        )  # fmt: skip
 
 
 def check_collector(c: Any) -> None:
@@ -155,6 +185,9 @@ def check_run(r: Any) -> None:
         )  # fmt: skip
     if lrn.algo == "grpo":
         check_scoring(c, inf)
+    check_placement(inf, lrn)
+    if len(set(lrn.gpus)) != len(lrn.gpus) or any(g < 0 for g in lrn.gpus):
+        raise refuse("learner.gpus", lrn.gpus, "physical GPU ids: distinct, >= 0")
     ports = range(inf.base_port, inf.base_port + inf.num_servers)
     if not inf.server_urls and c.gateway_port in ports:
         raise refuse(
@@ -204,6 +237,9 @@ RULES = (
     "`collector.top_p = 1`, and `collector.temperature = 1` unless `inference.logprobs_mode = "
     '"processed_logprobs"` (then any temperature > 0: the learner divides its logits by the '
     "group's temperature).",
+    "Placement: `inference.gpus` holds `num_servers * tensor_parallel_size` distinct GPU ids "
+    "(none with `device = \"cpu\"`); `learner.gpus` and `inference.gpus` are disjoint, except "
+    "one single GPU shared by both, which needs `inference.gpu_memory_utilization <= 0.8`.",
     "Ports fit: launched servers use `inference.base_port .. base_port + num_servers - 1 <= "
     "65535`, and `collector.gateway_port` is none of them.",
     "`collector.heartbeat_ttl_s > collector.heartbeat_s` (a collector is judged dead only after "

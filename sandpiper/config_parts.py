@@ -133,22 +133,44 @@ class InferenceConfig(_Part):
     """Context length (prompt + completion tokens) of each server."""
     kv_cache_gib: int = Field(default=1, ge=1)
     """``VLLM_CPU_KVCACHE_SPACE`` of each CPU server, in GiB."""
-    dtype: str = "float32"
-    """Weights dtype of launched servers (vLLM ``--dtype``)."""
-    enforce_eager: bool = True
-    """Skip compilation: start-up in about a minute instead of several, slower decode."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where launched servers run, which picks their launch line: ``cpu`` (the vllm-cpu
+    build: float32, eager, one process, ``VLLM_CPU_KVCACHE_SPACE``) or ``cuda`` (the model's
+    dtype, CUDA graphs, the multi-process engine, prefix caching, ``gpu_memory_utilization``,
+    tensor parallelism over ``gpus``). ``auto`` = ``cuda`` when ``gpus`` names GPUs, else
+    ``cpu``."""
+    gpus: list[int] = Field(default_factory=list)
+    """Physical GPU ids of the launched servers (placement): server ``i`` gets
+    ``CUDA_VISIBLE_DEVICES`` = ``gpus[i * tensor_parallel_size : (i + 1) *
+    tensor_parallel_size]``, so ``len(gpus) = num_servers * tensor_parallel_size``. Must not
+    overlap ``learner.gpus``, except one GPU shared by both (the one-GPU workstation), which
+    needs ``gpu_memory_utilization`` set. Empty = no GPU placement."""
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    """GPUs of one launched server (vLLM ``--tensor-parallel-size``; CUDA only)."""
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    """Share of each GPU's memory a CUDA server takes for weights, activations and KV cache
+    (vLLM ``--gpu-memory-utilization``); None = vLLM's default, 0.92. Beside a learner on
+    the same GPU use 0.3-0.6."""
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    """Sequences one server batches at once (vLLM ``--max-num-seqs``); None = vLLM's default."""
+    dtype: str | None = None
+    """Weights dtype of launched servers (vLLM ``--dtype``); None = ``float32`` on CPU,
+    ``auto`` (the model's own, e.g. bf16) on CUDA."""
+    enforce_eager: bool | None = None
+    """Skip compilation and CUDA graphs: start-up in about a minute instead of several,
+    slower decode; None = true on CPU, false on CUDA."""
     startup_timeout_s: float = Field(default=600.0, gt=0)
     """How long a launched server may take to answer its health check."""
     request_timeout_s: float = Field(default=120.0, gt=0)
     """One generate request (including time spent paused during a reload)."""
     max_retries: int = Field(default=3, ge=0)
     """Retries of a generate request after a timeout, connection error or 5xx."""
-    single_process: bool = True
-    """Launched servers run vLLM's engine and worker inside the API server process
+    single_process: bool | None = None
+    """None = true on CPU, false on CUDA. True: launched servers run vLLM's engine and worker inside the API server process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``--distributed-executor-backend uni``). On the
     CPU build the separate engine and worker processes busy-wait on each other's queues:
     measured on 2 cores, one process served 32 episodes/s at 61 ms CPU each, three served
-    11 episodes/s at 187 ms. Set false for multi-GPU servers (tensor parallel needs workers)."""
+    11 episodes/s at 187 ms. False on GPUs (tensor parallel needs workers)."""
     server_args: list[str] = Field(default_factory=list)
     """Extra ``vllm`` flags for launched servers (e.g. ``["--max-num-seqs", "32"]``)."""
     log_dir: str | None = None
@@ -437,6 +459,11 @@ class LearnerConfig(_Part):
     version that has it: the updates of up to ``train_state_every - 1`` later versions are
     lost (their groups stay consumed) and the next version is trained from that state
     (docs/learner.md, "Publishing")."""
+    gpus: list[int] = Field(default_factory=list)
+    """Physical GPU ids of the learner's ranks (placement): ``sandpiper learn`` launches one
+    rank per GPU with ``deepspeed --include localhost:<gpus>`` (one GPU: in-process with
+    ``CUDA_VISIBLE_DEVICES``). Empty = ``CUDA_VISIBLE_DEVICES`` of the caller if set, else
+    ``--nproc`` ranks with no placement (the CPU path)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where the learner trains. ``cuda`` refuses to start without a usable GPU and names
     what is missing; ``auto`` takes the GPU when there is one (and logs which it took);

@@ -38,7 +38,7 @@ from sandpiper.collector.daemon.shutdown import (
 )
 from sandpiper.collector.daemon.status import CollectorMetrics
 from sandpiper.collector.daemon.store_role import CollectorHostStore, CollectorStore
-from sandpiper.collector.run_setup import open_store, start_run_servers
+from sandpiper.collector.run_setup import open_store, served_model, start_run_servers
 from sandpiper.config import CollectorSettings
 from sandpiper.errors import ConfigError
 from sandpiper.store.slots import default_host
@@ -148,7 +148,7 @@ async def collect(
                 # External servers may hold other weights (another run, an older version):
                 # load this run's latest policy (version 0 = learner.model) before sampling.
                 latest = await asyncio.to_thread(store.latest_policy, config.name)
-                weights = latest.checkpoint_uri if latest else config.model
+                weights = latest.checkpoint_uri if latest else served_model(config.model)
                 version = latest.version if latest else 0
                 # announced first: checkpoint retention keeps what a collector is loading
                 await asyncio.to_thread(

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Literal
 
 import httpx
 
@@ -90,6 +91,17 @@ class VLLMServer:
     ``InferenceConfig.single_process``)."""
     extra_args: tuple[str, ...] = ()
     """More ``vllm`` command-line flags, appended verbatim."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Which launch line: the CPU build's (``VLLM_CPU_KVCACHE_SPACE``, OpenMP spin) or
+    CUDA's (``CUDA_VISIBLE_DEVICES``, ``--gpu-memory-utilization``, tensor parallelism)."""
+    gpus: tuple[int, ...] = ()
+    """Physical GPU ids of this server (its ``CUDA_VISIBLE_DEVICES``); () = not set."""
+    gpu_memory_utilization: float | None = None
+    """``--gpu-memory-utilization`` on CUDA; None = vLLM's default."""
+    max_num_seqs: int | None = None
+    """``--max-num-seqs``; None = vLLM's default."""
+    cwd: Path | None = None
+    """Working directory of the server; None = this process's."""
     restarts: int = field(default=0, init=False)
     """How many times :meth:`ensure_running` restarted a dead server."""
     weights_dir: Path | None = field(default=None, init=False)
@@ -109,16 +121,23 @@ class VLLMServer:
         if config.log_dir is not None:
             kwargs.setdefault("log_path", Path(config.log_dir) / f"vllm-{port}.log")
         kwargs.setdefault("extra_args", tuple(config.server_args))
+        device = launch_device(config)
+        cuda = device == "cuda"
+        tp = config.tensor_parallel_size
         return cls(
             model_dir=Path(model_dir),
             port=port,
             max_model_len=config.max_model_len,
             kv_cache_gib=config.kv_cache_gib,
-            dtype=config.dtype,
-            enforce_eager=config.enforce_eager,
-            single_process=config.single_process,
+            dtype=config.dtype or ("auto" if cuda else "float32"),
+            enforce_eager=_default(config.enforce_eager, not cuda),
+            single_process=_default(config.single_process, not cuda),
             logprobs_mode=config.logprobs_mode,
             startup_timeout_s=config.startup_timeout_s,
+            device=device,
+            gpus=tuple(config.gpus[index * tp : (index + 1) * tp]),
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_seqs=config.max_num_seqs,
             **kwargs,
         )
 
@@ -155,18 +174,44 @@ class VLLMServer:
             cmd.append("--enforce-eager")
         if self.single_process:
             cmd += ["--distributed-executor-backend", "uni"]
+        if self.device == "cuda":
+            cmd += ["--enable-prefix-caching"]
+            if len(self.gpus) > 1:
+                cmd += ["--tensor-parallel-size", str(len(self.gpus))]
+            if self.gpu_memory_utilization is not None:
+                cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
         return cmd + list(self.extra_args)
+
+    def environment_set(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The variables this launcher sets over ``base`` (this process's environment)."""
+        base = dict(os.environ) if base is None else base
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if self.device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+            if "GOMP_SPINCOUNT" not in base and "OMP_WAIT_POLICY" not in base:
+                env["GOMP_SPINCOUNT"] = str(OMP_SPIN_COUNT)
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
+        if self.single_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return env
 
     def environment(self) -> dict[str, str]:
         """The server's environment: this process's, plus the settings above."""
         env = dict(os.environ)
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
-        if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
-            env["GOMP_SPINCOUNT"] = str(OMP_SPIN_COUNT)
-        if self.single_process:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.update(self.environment_set(env))
         return env
+
+    def launch_plan(self) -> dict[str, object]:
+        """What :meth:`start` would run, as ``sandpiper collect --dry-run`` prints it."""
+        return {
+            "name": f"vllm-{self.port}",
+            "argv": self.command(),
+            "cwd": str(self.cwd or Path.cwd()),
+            "env": self.environment_set(),
+        }
 
     def _log_file(self) -> Path:
         if self.log_path is None:
@@ -190,6 +235,7 @@ class VLLMServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.environment(),
+                cwd=self.cwd,
                 start_new_session=True,  # own process group: stop() kills the engine too
                 pass_fds=lifeline_fds,
             )
@@ -376,6 +422,18 @@ async def start_servers(
         supervisor = asyncio.create_task(server.supervise())
         stack.callback(supervisor.cancel)
     return servers
+
+
+def launch_device(config: InferenceConfig) -> Literal["cpu", "cuda"]:
+    """``inference.device`` resolved: ``auto`` is ``cuda`` exactly when ``gpus`` names GPUs
+    (explicit, so a launch line never depends on what this host's torch happens to see)."""
+    if config.device == "auto":
+        return "cuda" if config.gpus else "cpu"
+    return config.device
+
+
+def _default(value: bool | None, otherwise: bool) -> bool:
+    return otherwise if value is None else value
 
 
 def _check(response: httpx.Response, what: str) -> None:

@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any
 
 import typer
 
 from sandpiper.commands._common import ConfigOption, cli_errors, command, resolve_config
+from sandpiper.config import RunConfig
+
+
+def server_plans(cfg: RunConfig) -> list[dict[str, Any]]:
+    """The local vLLM servers ``sandpiper collect`` would start (none with
+    ``inference.server_urls``), each as ``{"name", "argv", "cwd", "env"}``."""
+    from sandpiper.collector.inference.vllm_server import VLLMServer
+    from sandpiper.collector.run_setup import served_model
+
+    inf = cfg.inference
+    if inf.server_urls:
+        return []
+    if inf.log_dir is None:
+        inf = inf.model_copy(update={"log_dir": str(cfg.run_dir)})
+    model = served_model(cfg.learner.model)
+    return [
+        VLLMServer.from_config(inf, model, index=i).launch_plan() for i in range(inf.num_servers)
+    ]
 
 
 def register(app: typer.Typer) -> None:
@@ -30,6 +49,14 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option(envvar="OPENAI_API_KEY", help="Bearer token for the endpoint (--eval)."),
         ] = None,
+        dry_run: Annotated[
+            bool,
+            typer.Option(
+                "--dry-run",
+                help="Print the vLLM servers it would start (argv, cwd, environment set; JSON) "
+                "and start nothing.",
+            ),
+        ] = False,
     ) -> None:
         """Collect GRPO groups until stopped (SIGTERM/Ctrl-C drains and flushes).
 
@@ -40,6 +67,10 @@ def register(app: typer.Typer) -> None:
         from sandpiper.config import write_resolved
 
         cfg = resolve_config(config, ctx)
+        if dry_run:
+            with cli_errors():
+                typer.echo(json.dumps({"processes": server_plans(cfg)}, indent=2))
+            return
         with cli_errors():
             from sandpiper.commands._preflight import check_endpoint, check_memory, collector_ready
 

@@ -49,7 +49,27 @@ def test_collector_gets_the_podman_socket_and_nothing_else_does() -> None:
 
 def test_files_referenced_by_compose_exist() -> None:
     assert (REPO / "Containerfile").is_file()
-    assert (REPO / "configs" / "gpu.toml").is_file()
+    assert (REPO / "configs" / "gpu-8xh100-qwen2.5-7b.toml").is_file()
+
+
+def test_gpus_are_reserved_by_id_and_disjoint() -> None:
+    """`count: 1` maps to GPU 0 for every service that asks; device_ids per service, disjoint."""
+    services = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    taken: list[str] = []
+    for name in ("vllm", "learner"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in device and device["device_ids"], name
+        taken += device["device_ids"]
+    assert len(taken) == len(set(taken))
+
+
+def test_vllm_is_pinned_and_waited_for_long_enough() -> None:
+    vllm = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["vllm"]
+    assert vllm["image"].endswith(":v0.32.0}")
+    assert "latest" not in vllm["image"]
+    start = vllm["healthcheck"]["start_period"]
+    assert int(start.rstrip("s")) >= 600  # a 7 B model's load and graph capture
+    assert all("restart" in svc for n, svc in _resolved()["services"].items() if n != "postgres")
 
 
 def test_collector_scales_without_colliding_state() -> None:
