@@ -238,7 +238,7 @@ RULES = (
     '"processed_logprobs"` (then any temperature > 0: the learner divides its logits by the '
     "group's temperature).",
     "Placement: `inference.gpus` holds `num_servers * tensor_parallel_size` distinct GPU ids "
-    "(none with `device = \"cpu\"`); `learner.gpus` and `inference.gpus` are disjoint, except "
+    '(none with `device = "cpu"`); `learner.gpus` and `inference.gpus` are disjoint, except '
     "one single GPU shared by both, which needs `inference.gpu_memory_utilization <= 0.8`.",
     "Ports fit: launched servers use `inference.base_port .. base_port + num_servers - 1 <= "
     "65535`, and `collector.gateway_port` is none of them.",

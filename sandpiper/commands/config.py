@@ -3,10 +3,10 @@ with its bounds, as docs/configuration.md)."""
 
 from __future__ import annotations
 
-import typer
-
 from pathlib import Path
 from typing import Annotated
+
+import typer
 
 from sandpiper.commands._common import ConfigOption, cli_errors, command, resolve_config
 from sandpiper.config import load_config, to_toml
