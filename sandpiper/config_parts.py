@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -26,6 +26,9 @@ the prompt through the chat template) or plain fenced bash (``bash_block``)."""
 
 MAX_SEED = 2**32 - 1
 """Seeds feed numpy, which takes 32-bit seeds."""
+
+GpuId = Annotated[int, Field(ge=0, le=1023)]
+"""A physical GPU id (what ``nvidia-smi`` lists, before any ``CUDA_VISIBLE_DEVICES``)."""
 
 RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
 """A run name is one folder name under ``runs_dir`` (never a path: no ``/``, no ``..``)."""
@@ -139,7 +142,7 @@ class InferenceConfig(_Part):
     dtype, CUDA graphs, the multi-process engine, prefix caching, ``gpu_memory_utilization``,
     tensor parallelism over ``gpus``). ``auto`` = ``cuda`` when ``gpus`` names GPUs, else
     ``cpu``."""
-    gpus: list[int] = Field(default_factory=list)
+    gpus: list[GpuId] = Field(default_factory=list)
     """Physical GPU ids of the launched servers (placement): server ``i`` gets
     ``CUDA_VISIBLE_DEVICES`` = ``gpus[i * tensor_parallel_size : (i + 1) *
     tensor_parallel_size]``, so ``len(gpus) = num_servers * tensor_parallel_size``. Must not
@@ -459,7 +462,7 @@ class LearnerConfig(_Part):
     version that has it: the updates of up to ``train_state_every - 1`` later versions are
     lost (their groups stay consumed) and the next version is trained from that state
     (docs/learner.md, "Publishing")."""
-    gpus: list[int] = Field(default_factory=list)
+    gpus: list[GpuId] = Field(default_factory=list)
     """Physical GPU ids of the learner's ranks (placement): ``sandpiper learn`` launches one
     rank per GPU with ``deepspeed --include localhost:<gpus>`` (one GPU: in-process with
     ``CUDA_VISIBLE_DEVICES``). Empty = ``CUDA_VISIBLE_DEVICES`` of the caller if set, else
