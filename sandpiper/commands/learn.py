@@ -30,9 +30,10 @@ def learner_gpus(cfg: RunConfig, environ: Mapping[str, str]) -> list[int]:
     if not visible or cfg.learner.device == "cpu":
         return []
     try:
-        return [int(x) for x in visible.split(",") if x.strip()]
+        ids = [int(x) for x in visible.split(",") if x.strip()]
     except ValueError:  # UUIDs: leave the variable to do the placement
         return []
+    return ids if all(i >= 0 for i in ids) else []  # "-1" hides every GPU: no placement
 
 
 def learner_launch(
