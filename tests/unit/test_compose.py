@@ -83,3 +83,10 @@ def test_collector_scales_without_colliding_state() -> None:
     mounts = [str(v) for v in collector["volumes"]]
     assert any(m.split(":")[1] == spool for m in mounts if m.startswith("collector-spool:")), mounts
     assert "collector-spool" in _resolved()["volumes"]
+
+
+def test_the_project_image_needs_no_registry() -> None:
+    """No machine here can pull docker.io: the image starts from the local rootfs image."""
+    froms = [line for line in (REPO / "Containerfile").read_text().splitlines()
+             if line.startswith(("FROM", "ARG BASE_IMAGE"))]  # fmt: skip
+    assert froms == ["ARG BASE_IMAGE=localhost/sandpiper-sandbox:latest", "FROM ${BASE_IMAGE}"]
