@@ -29,7 +29,8 @@ class WeightProbe:
 
     def weight_checksums(self) -> dict[str, Any]:
         model = self.model_runner.model
-        embedding = model.get_input_embeddings().weight
+        # vLLM's decoder models keep the embedding at model.embed_tokens (Llama, Qwen2/3)
+        embedding = model.model.embed_tokens.weight
         output = model.lm_head.weight
         return {
             "embedding": checksums(embedding),
