@@ -406,7 +406,9 @@ def gpu_bytes_of(name: str) -> tuple[str, int]:
             return label.strip() or "gpu", int(float(size) * GIB)
     except ValueError:
         pass
-    raise PlanError(f"--gpu {name!r}: give one of {', '.join(GPU_BYTES)} or NAME=GiB (e.g. a6000=47.4)")
+    raise PlanError(
+        f"--gpu {name!r}: give one of {', '.join(GPU_BYTES)} or NAME=GiB (e.g. a6000=47.4)"
+    )
 
 
 def ds_settings(path: str | Path) -> dict[str, Any]:
@@ -418,7 +420,7 @@ def ds_settings(path: str | Path) -> dict[str, Any]:
     stage = int(zero.get("stage", 0))
     return {
         "zero_stage": stage,
-        "bf16": bool((config.get("bf16") or {}).get("enabled", False)),
+        "bf16": (config.get("bf16") or {}).get("enabled", False) is True,  # "auto": the learner
         "offload_optimizer": opt_off not in (None, "none"),
         "offload_param": par_off not in (None, "none"),
         "reduce_bucket_size": int(zero.get("reduce_bucket_size", 5e8)),
