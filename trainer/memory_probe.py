@@ -97,7 +97,7 @@ class _CpuPeak:
         events.sort(key=lambda e: e.start_ns())
         running = 0
         for event in events:
-            running += event.nbytes()
+            running += event.nbytes()  # type: ignore[union-attr]
             self.peak = max(self.peak, running)
 
 

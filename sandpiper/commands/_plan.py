@@ -42,11 +42,9 @@ def learner_setup(cfg: RunConfig, *, world_size: int, device: str = "cuda") -> m
     with their defaults)."""
     learner = cfg.learner
     ds = mp.ds_settings(learner.deepspeed_config)
-    precision = getattr(learner, "precision", "auto")
-    if precision == "auto":
-        precision = "bf16" if device == "cuda" else "fp32"
-    if ds["bf16"] and precision == "fp32":  # an explicit DeepSpeed bf16 wins over nothing set
-        precision = "bf16"
+    setting = getattr(learner, "precision", "auto")
+    bf16 = setting == "bf16" or (setting == "auto" and device == "cuda") or ds["bf16"] is True
+    precision: mp.Precision = "bf16" if bf16 else "fp32"
     micro = learner.micro_batch_tokens
     return mp.LearnerSetup(
         precision=precision,
@@ -178,7 +176,7 @@ def to_json(plans: list[GpuPlan], *, model: str, shape: mp.ModelShape) -> dict[s
     return {
         "fits": all(gp.plan.fits for gp in plans),
         "model": model,
-        "shape": {k: getattr(shape, k) for k in shape.__slots__},  # type: ignore[attr-defined]
+        "shape": {k: getattr(shape, k) for k in shape.__slots__},
         "gpus": [
             {"role": gp.role, "gpu_ids": list(gp.gpu_ids), **gp.plan.to_json()} for gp in plans
         ],

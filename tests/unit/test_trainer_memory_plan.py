@@ -35,7 +35,9 @@ def qwen3_4b() -> mp.ModelShape:
         ("llama-3.1-8b", 8_030_261_248, False),
     ],
 )
-def test_meta_build_counts_the_published_parameters(folder: str, published: int, tied: bool) -> None:
+def test_meta_build_counts_the_published_parameters(
+    folder: str, published: int, tied: bool
+) -> None:
     shape = mp.model_shape(MODELS / folder)
     assert shape.params_published == published
     untied = shape.vocab * shape.hidden if tied else 0  # the learner trains lm_head on its own
@@ -44,7 +46,11 @@ def test_meta_build_counts_the_published_parameters(folder: str, published: int,
 
 
 def test_qwen3_has_qk_norm_and_its_kv_bytes(qwen3_4b: mp.ModelShape) -> None:
-    assert qwen3_4b.qk_norm and (qwen3_4b.layers, qwen3_4b.kv_heads, qwen3_4b.head_dim) == (36, 8, 128)
+    assert qwen3_4b.qk_norm and (qwen3_4b.layers, qwen3_4b.kv_heads, qwen3_4b.head_dim) == (
+        36,
+        8,
+        128,
+    )
     share = mp.vllm_terms(qwen3_4b, mp.VllmShare(0.5, max_model_len=8192), mp.GPU_BYTES["h200"])
     assert share["kv_bytes_per_token"] == 2 * 36 * 8 * 128 * 2
     assert share["concurrent_sequences"] == share["kv_tokens"] // 8192 > 0
@@ -53,7 +59,9 @@ def test_qwen3_has_qk_norm_and_its_kv_bytes(qwen3_4b: mp.ModelShape) -> None:
 def test_zero_stages_shard_what_deepspeed_shards(qwen3_4b: mp.ModelShape) -> None:
     n, w = qwen3_4b.params_trained, 8
     terms = {
-        s: mp.learner_terms(qwen3_4b, mp.LearnerSetup(precision="bf16", zero_stage=s, world_size=w))[0]
+        s: mp.learner_terms(
+            qwen3_4b, mp.LearnerSetup(precision="bf16", zero_stage=s, world_size=w)
+        )[0]
         for s in range(4)
     }
     assert terms[0]["weights"] == 2 * n and terms[0]["optimizer_adam"] == 8 * n
@@ -74,14 +82,18 @@ def test_zero_stages_shard_what_deepspeed_shards(qwen3_4b: mp.ModelShape) -> Non
 def test_checkpointing_and_chunking_shrink_what_they_should(qwen3_4b: mp.ModelShape) -> None:
     base = mp.LearnerSetup(precision="bf16", micro_batch_tokens=8192, row_tokens=8192)
     full = mp.learner_terms(qwen3_4b, base)[0]
-    ckpt = mp.learner_terms(qwen3_4b, mp.LearnerSetup(**{**_fields(base), "gradient_checkpointing": True}))[0]
-    logits = mp.learner_terms(qwen3_4b, mp.LearnerSetup(**{**_fields(base), "logprob_chunk_tokens": 0}))[0]
+    ckpt = mp.learner_terms(
+        qwen3_4b, mp.LearnerSetup(**{**_fields(base), "gradient_checkpointing": True})
+    )[0]
+    logits = mp.learner_terms(
+        qwen3_4b, mp.LearnerSetup(**{**_fields(base), "logprob_chunk_tokens": 0})
+    )[0]
     assert full["activations"] > 20 * ckpt["activations"]
     assert logits["logprob_step"] > 4 * full["logprob_step"]
 
 
 def _fields(setup: mp.LearnerSetup) -> dict:
-    return {k: getattr(setup, k) for k in setup.__slots__}  # type: ignore[attr-defined]
+    return {k: getattr(setup, k) for k in setup.__slots__}
 
 
 def _cfg(tmp_path: Path, text: str):
@@ -134,7 +146,9 @@ def test_qwen3_4b_on_one_h200(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, q
     json.dumps(doc)  # every term is a plain number
     # the default vLLM share (0.92) beside the learner cannot fit
     cfg.inference.gpu_memory_utilization = None
-    assert not plan_run(cfg, gpu="h200", gpu_bytes=mp.GPU_BYTES["h200"], shape=qwen3_4b)[0].plan.fits
+    assert not plan_run(cfg, gpu="h200", gpu_bytes=mp.GPU_BYTES["h200"], shape=qwen3_4b)[
+        0
+    ].plan.fits
 
 
 def test_qwen2_5_7b_on_eight_h100(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,7 +157,9 @@ def test_qwen2_5_7b_on_eight_h100(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     plans = plan_run(cfg, gpu="h100-80gb", gpu_bytes=mp.GPU_BYTES["h100-80gb"])
     roles = {gp.role: gp for gp in plans}
     assert set(roles) == {"learner", "inference"}
-    assert roles["learner"].gpu_ids == (4, 5, 6, 7) and roles["learner"].plan.setup["world_size"] == 4
+    assert (
+        roles["learner"].gpu_ids == (4, 5, 6, 7) and roles["learner"].plan.setup["world_size"] == 4
+    )
     assert all(gp.plan.fits for gp in plans)
 
 
@@ -210,6 +226,8 @@ def test_prediction_matches_measured_peak_tiny(model, precision, checkpointing, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "precision", "checkpointing", "row_tokens"), SLOW_CPU_CASES)
-def test_prediction_matches_measured_peak_smollm2(model, precision, checkpointing, row_tokens) -> None:
+def test_prediction_matches_measured_peak_smollm2(
+    model, precision, checkpointing, row_tokens
+) -> None:
     result = probe(model, precision, checkpointing, row_tokens)
     assert abs(result["rel_error"]) <= TOLERANCE, result
