@@ -322,7 +322,13 @@ def build_engine(
         precision=resolve_precision(precision, world.device),
     )  # fmt: skip
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable: Any = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise ConfigError(
+                f"learner.gradient_checkpointing: {type(model).__name__} is not a transformers "
+                "model (it has no gradient_checkpointing_enable)"
+            )
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(world.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)

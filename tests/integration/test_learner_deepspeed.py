@@ -37,7 +37,9 @@ def groups_pkl(tmp_path_factory, learner_tiny_model) -> Path:
     return path
 
 
-def _run(tmp: Path, model: Path, groups: Path, *, nproc: int, stage: int) -> dict:
+def _run(
+    tmp: Path, model: Path, groups: Path, *, nproc: int, stage: int, extra: tuple[str, ...] = ()
+) -> dict:
     out = tmp / f"n{nproc}-z{stage}"
     out.mkdir()
     overrides = [
@@ -49,6 +51,7 @@ def _run(tmp: Path, model: Path, groups: Path, *, nproc: int, stage: int) -> dic
         "--collector.max_tokens_per_turn", "40",
         "--learner.max_idle_s", "1", "--learner.poll_interval_s", "0.1",
         "--learner.deepspeed_config", str(REPO / f"configs/deepspeed_zero{stage}.json"),
+        *extra,
     ]  # fmt: skip
     module = ["-m", "tests.fixtures.learner", str(groups), str(out), *overrides]
     if nproc == 1:
@@ -111,3 +114,18 @@ def test_two_processes_match_one_process(
     m_ref, m_got = reference["metrics"][0], result["metrics"][0]
     assert m_got["batch/loss_tokens"] == m_ref["batch/loss_tokens"]
     assert m_got["is/w_mean"] == pytest.approx(m_ref["is/w_mean"], rel=1e-5)
+
+
+def test_checkpointing_and_chunked_logprobs_under_zero3_match_one_plain_process(
+    tmp_path, learner_tiny_model, groups_pkl, reference
+):
+    """Two ZeRO-3 ranks with gradient checkpointing and logprobs in chunks of 8 tokens
+    (the output layer's partitioned weight gathered by its module's hooks, also in each
+    chunk's recompute) train the weights one plain process trains."""
+    extra = ("--learner.gradient_checkpointing", "true", "--learner.logprob_chunk_tokens", "8")
+    result = _run(tmp_path, learner_tiny_model, groups_pkl, nproc=2, stage=3, extra=extra)
+    assert result["world_size"] == 2 and result["version"] == 2
+    assert result["consumed"] == reference["consumed"]
+    ref, got = _weights(reference), _weights(result)
+    worst = max((ref[k] - got[k]).abs().max().item() for k in ref)
+    assert worst < 1e-4, worst
