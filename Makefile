@@ -24,14 +24,14 @@ demo: setup  ## run the whole pipeline on configs/demo.toml (the tiny model)
 TEST_WORKERS ?= 3
 XDIST = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-test: setup  ## every test, all tiers (unit, integration, e2e) in parallel
-	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
+test: setup  ## every tier (unit, integration, e2e) but the `long` tests, in parallel (goal: <= 10 min)
+	$(PY) -m pytest tests -m "not long" $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup  ## before each commit: unit tests + one real episode (podman, DuckDB, vLLM)
 	$(PY) -m pytest tests -m "(unit and not slow) or smoke" $(XDIST) -q $(PYTEST_ARGS)
 
-test-long: setup  ## the `volume` tests at CI's size (fuzz 10,000 turns, 24 kill -9 rounds)
-	SANDPIPER_TEST_LONG=1 $(PY) -m pytest tests -m volume $(XDIST) $(PYTEST_ARGS)
+test-long: setup  ## the `long` tests (the demo's learning run, SmolLM2, ...) and the `volume` ones at CI's size
+	SANDPIPER_TEST_LONG=1 $(PY) -m pytest tests -m "long or volume" $(XDIST) $(PYTEST_ARGS)
 
 test-unit:  ## unit tests only (no services)
 	bash scripts/setup.sh venv

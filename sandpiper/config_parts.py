@@ -295,8 +295,8 @@ class LearnerConfig(_Part):
     """GRPO on groups from the collector, or SFT on stored episodes (``sft_min_reward``)."""
     model: str = "runs/tiny-model"
     """Initial policy (a Hugging Face folder); policy version 0."""
-    lr: float = Field(default=1e-5, gt=0, le=1)
-    """AdamW learning rate."""
+    lr: float = Field(default=1e-5, ge=0, le=1)
+    """AdamW learning rate; 0 keeps the weights fixed (the control run of a learning test)."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW (decoupled) weight decay."""
     max_grad_norm: float = Field(default=1.0, ge=0)

@@ -58,9 +58,12 @@ if os.environ.get("OMP_NUM_THREADS") in (None, os.environ.get(_OMP_SET_HERE)):
 REPO = Path(__file__).resolve().parent.parent
 
 pytest_plugins = [
-    f"tests.fixtures.{m.name}"
-    for m in pkgutil.iter_modules([str(Path(__file__).parent / "fixtures")])
-    if not m.name.startswith("_")
+    "tests.summary",  # the tiers' times and the slowest tests at the end; a failure's part
+    *(
+        f"tests.fixtures.{m.name}"
+        for m in pkgutil.iter_modules([str(Path(__file__).parent / "fixtures")])
+        if not m.name.startswith("_")
+    ),
 ]
 
 

@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import require
 from tests.fixtures.vllm import tiny_model_copy
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long]
 
 REPO = Path(__file__).resolve().parents[2]
 

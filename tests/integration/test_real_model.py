@@ -49,7 +49,7 @@ from sqlalchemy import text
 from tests.conftest import REPO, require
 from tests.fixtures.sandbox import run_containers
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
 
 MODEL_DIR = REPO / "runs" / "smollm2-135m"
 WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger"]

@@ -33,7 +33,12 @@ from tests.fixtures.sandbox import run_containers
 from tests.integration.test_store_backends import _fresh_pg_db
 
 # The first test to use the session's vLLM server pays for its start-up inside this limit.
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.long,
+    pytest.mark.timeout(1800),
+]
 
 MAX_STEPS, PER_STEP, GROUP_SIZE = 3, 2, 2
 

@@ -124,7 +124,7 @@ def test_a_value_past_a_bound_in_a_file_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as refused:
         load_config(path)
     assert str(refused.value).splitlines() == [
-        f"{path}: learner.lr = -1: must be > 0",
+        f"{path}: learner.lr = -1: must be >= 0",
         f"{path}: learner.groups_per_step = 0: must be >= 1",
     ]
 
@@ -163,4 +163,4 @@ def test_the_docs_list_every_field_with_its_bounds() -> None:
             assert f"## `[{section}]`" in page
             for field in model.model_fields:
                 assert f"- **`{field}`**" in page
-    assert "- **`lr`** (`float`, default `1e-05`, > 0, ≤ 1): AdamW learning rate." in page
+    assert "- **`lr`** (`float`, default `1e-05`, ≥ 0, ≤ 1): AdamW learning rate; 0 keeps the weights fixed (the control run of a learning test)." in page
