@@ -22,7 +22,7 @@ from tests.fixtures import reward_functions
 from tests.fixtures.sandbox import run_containers
 from tests.integration.test_peer_data_eval import _bash, _call, _import, _serve
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(600)]
 
 RG = {"countdown": 3, "spiral_matrix": 3}
 F = "python:tests.fixtures.reward_functions:"

@@ -26,7 +26,7 @@ from sandpiper.errors import ConfigError
 from tests.conftest import require
 from tests.fixtures.vllm import free_port, tiny_model_copy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 PROBE = "sandpiper.collector.inference.weight_probe.WeightProbe"
 
 

@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_dry_run_prints_one_json_line_that_passes() -> None:
     if not (REPO / "runs" / "tiny-model" / "config.json").is_file():
         pytest.skip("runs/tiny-model is built by scripts/setup.sh")

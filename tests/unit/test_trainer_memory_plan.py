@@ -218,6 +218,7 @@ def probe(model: str, precision: str, checkpointing: bool, row_tokens: int) -> d
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize(("model", "precision", "checkpointing", "row_tokens"), CPU_CASES)
 def test_prediction_matches_measured_peak_tiny(model, precision, checkpointing, row_tokens) -> None:
     result = probe(model, precision, checkpointing, row_tokens)
@@ -225,6 +226,7 @@ def test_prediction_matches_measured_peak_tiny(model, precision, checkpointing, 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize(("model", "precision", "checkpointing", "row_tokens"), SLOW_CPU_CASES)
 def test_prediction_matches_measured_peak_smollm2(
     model, precision, checkpointing, row_tokens
