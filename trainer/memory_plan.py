@@ -106,13 +106,24 @@ def _cached_shape(folder: str) -> ModelShape:
     return _build_shape(Path(folder))
 
 
+SHIPPED_MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
+"""Published ``config.json`` files (no weights) of the models the shipped GPU configs name:
+a hub id (``Qwen/Qwen2.5-7B-Instruct``) or a folder not yet imported (``runs/models/qwen3-4b``)
+is sized from ``configs/models/<its last part, lower-cased>/``, as ``sandpiper config check``
+validates it."""
+
+
 def model_shape(model: str | Path) -> ModelShape:
     """The shape of the model whose ``config.json`` is ``model`` or is in folder ``model``
     (cached per folder: a meta build of a 4 B model takes seconds)."""
     path = Path(model)
     folder = path.parent if path.is_file() else path
     if not (folder / "config.json").is_file():
-        raise PlanError(f"{model}: no config.json to size the model from")
+        folder = SHIPPED_MODELS / path.name.lower()
+    if not (folder / "config.json").is_file():
+        raise PlanError(
+            f"{model}: no config.json to size the model from (nor a shipped one in {folder})"
+        )
     return _cached_shape(str(folder.resolve()))
 
 

@@ -233,3 +233,28 @@ def test_prediction_matches_measured_peak_smollm2(
 ) -> None:
     result = probe(model, precision, checkpointing, row_tokens)
     assert abs(result["rel_error"]) <= TOLERANCE, result
+
+
+SHIPPED_GPU_CONFIGS = {
+    "gpu-1xh200-qwen3-4b.toml": "h200",
+    "gpu-8xh100-qwen2.5-7b.toml": "h100-80gb",
+}
+"""Each shipped GPU config -> the GPU it is written for."""
+
+
+@pytest.mark.parametrize(("name", "gpu"), SHIPPED_GPU_CONFIGS.items())
+def test_every_shipped_gpu_config_fits_its_gpu(name: str, gpu: str) -> None:
+    """`sandpiper plan` on the shipped file as a user runs it (its model sized from the
+    shipped config.json when the weights are not here)."""
+    from typer.testing import CliRunner
+
+    from sandpiper.cli import app
+
+    shipped = sorted(p.name for p in (REPO / "configs").glob("gpu-*.toml"))
+    assert shipped == sorted(SHIPPED_GPU_CONFIGS), "a new GPU config needs its GPU here"
+    done = CliRunner().invoke(
+        app, ["plan", "-c", str(REPO / "configs" / name), "--gpu", gpu, "--json"]
+    )
+    assert done.exit_code == 0, done.output
+    plan = json.loads(done.output)
+    assert plan["fits"] is True, done.output
