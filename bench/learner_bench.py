@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
 
 
 def make_batch(rng: np.random.Generator, *, groups: int, group_size: int, vocab: int) -> list:
@@ -139,6 +140,11 @@ def trl_step(model_dir: Path, batch: list, lr: float, group_size: int, out_dir: 
     return step
 
 
+def model_dir_for(name: str) -> Path:
+    """The model folder ``make setup`` built (the memory figures run outside the temp dir)."""
+    return REPO_ROOT / "runs" / ("tiny-model" if name == "tiny" else "smollm2-135m")
+
+
 def bench_model(name: str, tmp: Path) -> tuple[Path, int]:
     """(model folder, vocabulary size) of the model the bench trains."""
     if name == "tiny":
@@ -153,6 +159,45 @@ def bench_model(name: str, tmp: Path) -> tuple[Path, int]:
     return folder, json.loads((folder / "config.json").read_text())["vocab_size"]
 
 
+PLANNER_CASES = {
+    "tiny": [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)],
+    "smollm2": [("fp32", False), ("fp32", True)],
+}
+"""The CPU cases of the planner's validation (tests/unit/test_trainer_memory_plan.py)."""
+
+
+def planner_max_rel_error(name: str, model_dir: Path) -> float:
+    """Largest |predicted - measured| / measured peak memory of a learner step over the CPU
+    cases, each in its own process (``sandpiper.trainer.memory_probe``)."""
+    import subprocess
+
+    rows, row_tokens = ("2", "256") if name == "tiny" else ("1", "128")
+    errors = []
+    for precision, checkpointing in PLANNER_CASES[name]:
+        argv = [
+            sys.executable, "-m", "sandpiper.trainer.memory_probe", "--model", str(model_dir),
+            "--precision", precision, "--rows", rows, "--row-tokens", row_tokens, "--json",
+        ] + (["--checkpointing"] if checkpointing else [])  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, check=True)
+        line = [x for x in done.stdout.splitlines() if x.startswith("{")][-1]
+        errors.append(abs(json.loads(line)["rel_error"]))
+    return round(max(errors), 4)
+
+
+def memory_figures(name: str, model_dir: Path) -> dict:
+    """The learner-at-size figures, each measured in processes of its own: the logprob step's
+    peak with full logits against chunked ones (SmolLM2's vocabulary, 8,192 tokens), the
+    activations without and with gradient checkpointing, and the planner's largest error
+    against measured peaks (``bench/learner_memory.py``, ``sandpiper.trainer.memory_probe``)."""
+    from bench.learner_memory import checkpointing_activation_mem_ratio, logprob_peak_mem_ratio
+
+    out: dict = {}
+    out.update(logprob_peak_mem_ratio())
+    out.update(checkpointing_activation_mem_ratio(model_dir, 1024 if name == "tiny" else 512))
+    out["planner_max_rel_error"] = planner_max_rel_error(name, model_dir)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -165,6 +210,10 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=None, help="default 8 (smollm2: 4)")
     parser.add_argument("--repeats", type=int, default=None, help="default 5 (smollm2: 2)")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser.add_argument(
+        "--no-memory", action="store_true",
+        help="skip the memory figures (logprob, checkpointing, planner: minutes on 2 cores)",
+    )  # fmt: skip
     args = parser.parse_args()
     real = args.model == "smollm2"
     groups = args.groups or (2 if real else 8)
@@ -204,6 +253,8 @@ def main() -> None:
         "trl_tokens_per_s": round(tokens / trl_s, 1),
         "speedup_vs_trl": round(trl_s / ours_s, 3),
     }  # fmt: skip
+    if not args.no_memory:
+        result.update(memory_figures(args.model, model_dir_for(args.model)))
     for key, value in result.items():
         print(f"{key}: {value}")
     if args.json:

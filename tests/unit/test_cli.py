@@ -17,19 +17,31 @@ HEAVY = ("torch", "vllm", "transformers", "deepspeed", "duckdb", "polars", "matp
 SANDPIPER = Path(sys.executable).parent / "sandpiper"
 
 
+def _child_cpu_s(argv: list[str]) -> float:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(argv, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert out.returncode == 0, out.stderr
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
 def test_help_is_fast() -> None:
-    # CPU seconds of the child (user + sys), best of three: wall time on this shared 2-core
-    # machine measures the other processes' load as much as ours (1.25 s wall at load 5 for
-    # 0.3 s of CPU), while the CPU a `--help` burns is what a heavy import would show.
-    best_cpu_s = float("inf")
+    """CPU seconds of the child (user + sys), best of three, against a baseline measured in
+    the same loop: the interpreter with the CLI's own libraries (typer, pydantic, rich).
+
+    Wall time on this shared 2-core machine measures the other processes' load as much as
+    ours, and so, less, does CPU time: a fixed 1.0 s bound failed at 1.17 s under a full
+    suite's load (0.8 s quiet, before and after this change). The CLI's modules may cost at
+    most 0.8 s beyond the baseline (0.25 s quiet); importing torch alone costs ~3.4 s."""
+    base = [sys.executable, "-c", "import typer, pydantic, rich.console"]
+    best_help = best_base = float("inf")
     for _ in range(3):
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        out = subprocess.run([str(SANDPIPER), "--help"], capture_output=True, text=True)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        assert out.returncode == 0, out.stderr
-        cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        best_cpu_s = min(best_cpu_s, cpu_s)
-    assert best_cpu_s < 1.0, f"sandpiper --help used {best_cpu_s:.2f} CPU seconds"
+        best_base = min(best_base, _child_cpu_s(base))
+        best_help = min(best_help, _child_cpu_s([str(SANDPIPER), "--help"]))
+    assert best_help - best_base < 0.8, (
+        f"sandpiper --help used {best_help:.2f} CPU seconds, {best_help - best_base:.2f} more "
+        f"than the interpreter with typer and pydantic ({best_base:.2f})"
+    )
 
 
 def test_help_imports_no_heavy_library() -> None:

@@ -137,7 +137,7 @@ def test_unknown_field_suggests_the_close_one() -> None:
 
 def test_assignment_is_checked_too() -> None:
     cfg = RunConfig()
-    with pytest.raises(ValueError, match="greater than 0"):
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
         cfg.learner.lr = -1.0
 
 
