@@ -86,6 +86,7 @@ class SandboxConfig(_Part):
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[\w,.-]*\])?==\S+", package):
                 raise ValueError(f"{package!r} is not pinned: give NAME==VERSION")
         return packages
+
     pool_size: int = Field(default=4, ge=1)
     """Warm containers kept started ahead of demand."""
     max_concurrent_starts: int = Field(default=2, ge=1)

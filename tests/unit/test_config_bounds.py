@@ -163,4 +163,7 @@ def test_the_docs_list_every_field_with_its_bounds() -> None:
             assert f"## `[{section}]`" in page
             for field in model.model_fields:
                 assert f"- **`{field}`**" in page
-    assert "- **`lr`** (`float`, default `1e-05`, ≥ 0, ≤ 1): AdamW learning rate; 0 keeps the weights fixed (the control run of a learning test)." in page
+    assert (
+        "- **`lr`** (`float`, default `1e-05`, ≥ 0, ≤ 1): AdamW learning rate; 0 keeps the weights fixed (the control run of a learning test)."
+        in page
+    )

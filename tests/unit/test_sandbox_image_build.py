@@ -45,7 +45,7 @@ def test_the_build_installs_the_packages_before_the_import(tmp_path, monkeypatch
     imported = []
     monkeypatch.setattr(image_build, "_import", lambda rootfs, tag, recipe: imported.append(tag))
     image_build.build_image("localhost/x:1", ImageRecipe(python_packages=("tabulate==0.9.0",)))
-    assert [c[0] for c in calls][0] == "debootstrap" and imported == ["localhost/x:1"]
+    assert calls[0][0] == "debootstrap" and imported == ["localhost/x:1"]
     pip = calls[1]
     assert pip[1:4] == ["-m", "pip", "install"] and pip[-1] == "tabulate==0.9.0"
     assert pip[pip.index("--python-version") + 1] == "3.11" and "--only-binary=:all:" in pip
