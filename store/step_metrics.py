@@ -77,6 +77,11 @@ class StepMetrics:
     train_s: float | None = _metric("perf/train_s")
     step_s: float | None = _metric("perf/step_s")
     tokens_per_s: float | None = _metric("perf/tokens_per_s")
+    # the version's folder as written (trainer.learner.Learner._commit)
+    checkpoint_bytes: float | None = _metric("checkpoint/bytes")
+    """Every file of the version's folder: the weights, plus the training state when due."""
+    train_state_bytes: float | None = _metric("checkpoint/train_state_bytes")
+    """Its ``train_state/`` (None: published without one, ``learner.train_state_every``)."""
 
     @staticmethod
     def view_columns() -> dict[str, str]:
