@@ -18,6 +18,7 @@ import math
 from functools import lru_cache
 from typing import Any
 
+from sandpiper.collector.rewards import answer_gate
 from sandpiper.collector.rewards.reference import ReasoningGymReference
 from sandpiper.errors import TaskError
 
@@ -54,6 +55,8 @@ def warm(ref: ReasoningGymReference) -> None:
     if key in _WARMED:
         return
     ds = dataset(ref.dataset, ref.config)
+    with contextlib.suppress(answer_gate.UnsafeFamily):  # reads the source; score refuses
+        answer_gate.check_family(ref.dataset, type(ds))
     item = ds[ref.index]
     for text in (item.get("answer"), ""):
         with contextlib.suppress(Exception):  # the real call reports it
@@ -64,9 +67,16 @@ def warm(ref: ReasoningGymReference) -> None:
 def score(ref: ReasoningGymReference, answer: str | None) -> float:
     """``score_answer(answer, entry)`` of the item's dataset; raises :class:`ScorerError`
     with the error's last line when the scorer raises or returns a non-finite value."""
+    ds = dataset(ref.dataset, ref.config)
     try:
-        ds = dataset(ref.dataset, ref.config)
-        value = ds.score_answer(answer, ds[ref.index])
+        answer_gate.check_family(ref.dataset, type(ds))
+    except answer_gate.UnsafeFamily as e:
+        raise ScorerError(str(e)) from None
+    try:
+        item = ds[ref.index]
+        if not answer_gate.admitted(ref.dataset, answer, item):
+            answer = None  # scored as no answer: the library's score for a wrong one
+        value = ds.score_answer(answer, item)
     except Exception as e:
         lines = [line for line in str(e).splitlines() if line.strip()]
         raise ScorerError(f"reasoning-gym {ref.dataset} score_answer raised "

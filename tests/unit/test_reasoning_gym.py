@@ -153,3 +153,65 @@ def test_fractional_rewards_give_graded_advantages():
     advantages_G = group_advantages(rewards_G, [True] * 4)
     assert advantages_G is not None
     assert list(advantages_G.argsort()) == [2, 1, 3, 0]  # ordered as the scores, not binarised
+
+
+_ATTACKS = [
+    "__import__('os').system('touch {marker}')",
+    "[open('{marker}', 'w').write('x')]",
+    "[open('/etc/shadow').read()]",
+    "__import__('sys').modules['reasoning_gym'].games.countdown.np.__setattr__('isclose', lambda *a, **k: True)",
+    "[__import__('subprocess').Popen(['touch', '{marker}'])]",
+    "[x for x in iter(int, 1)]",
+    "[0] * 10**12",
+    "9**9**9**9",
+    "1+1 if exec(\"open('{marker}','w')\") else 1",
+    "factorial(__import__('os').system('touch {marker}'))!",
+]
+
+
+@pytest.mark.parametrize("name", ["countdown", "spiral_matrix", "puzzle24", "binary_matrix",
+                                  "n_queens", "string_insertion", "polynomial_multiplication",
+                                  "simple_integration", "intermediate_integration"])  # fmt: skip
+def test_attack_answers_are_refused_before_the_scorer_evaluates_them(name, tmp_path):
+    from sandpiper.collector.rewards import answer_gate, reasoning_gym_scores
+
+    ref = ReasoningGymReference(dataset=name, config={"seed": 1, "size": 2}, index=0,
+                                answer="", answer_file="/workspace/answer.txt")  # fmt: skip
+    ds = reasoning_gym_scores.dataset(ref.dataset, ref.config)
+    item = ds[0]
+    wrong = ds.score_answer(None, item)
+    marker = tmp_path / "pwned"
+    for attack in _ATTACKS:
+        text = attack.format(marker=marker)
+        if not text.endswith("!"):  # Python cannot parse that one, so eval cannot run it
+            assert not answer_gate.admitted(name, text, item)
+        assert reasoning_gym_scores.score(ref, text) <= max(
+            wrong, 0.05 if name == "countdown" else wrong
+        )
+    assert not marker.exists()
+    gold = str(item["answer"])
+    assert answer_gate.admitted(name, gold, item)
+    assert reasoning_gym_scores.score(ref, gold) == ds.score_answer(gold, item)
+
+
+def test_list_answers_still_earn_the_librarys_partial_credit():
+    from sandpiper.collector.rewards import reasoning_gym_scores
+
+    ref = ReasoningGymReference(dataset="spiral_matrix", config={"seed": 1, "size": 2}, index=0,
+                                answer="", answer_file="/workspace/answer.txt")  # fmt: skip
+    item = reasoning_gym_scores.dataset(ref.dataset, ref.config)[0]
+    as_list = "[" + ", ".join(item["answer"].split()) + "]"
+    assert reasoning_gym_scores.score(ref, as_list) == 0.1
+
+
+def test_a_family_that_evaluates_strings_without_a_gate_is_refused():
+    from sandpiper.collector.rewards import answer_gate
+
+    class Fake:
+        pass
+
+    answer_gate.check_family("spiral_matrix", Fake)  # gated
+    import reasoning_gym.composite as composite
+
+    with pytest.raises(answer_gate.UnsafeFamily):
+        answer_gate.check_family("composite", composite.CompositeDataset)

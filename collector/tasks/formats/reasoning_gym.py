@@ -104,9 +104,16 @@ def _dataset(name: str, config: dict[str, Any]) -> Any:
         known = ", ".join(sorted(reasoning_gym.factory.DATASETS))
         raise TaskError(f"reasoning-gym has no dataset {name!r}; it registers: {known}")
     try:
-        return reasoning_gym.create_dataset(name, **config)
+        ds = reasoning_gym.create_dataset(name, **config)
     except Exception as e:
         raise TaskError(f"reasoning-gym {name} refused config {config}: {e}") from None
+    from sandpiper.collector.rewards import answer_gate
+
+    try:
+        answer_gate.check_family(name, type(ds))
+    except answer_gate.UnsafeFamily as e:
+        raise TaskError(str(e)) from None
+    return ds
 
 
 def _row(
