@@ -1,9 +1,11 @@
 """Peak CPU memory of the learner's logprob step and of activations, one subprocess per variant.
 
-Each variant runs in a fresh interpreter and reports the growth of its peak resident set
-(``ru_maxrss``) over the step: the high-water mark after setup (model, inputs) is the
-baseline, so what is reported is what the step itself added at its peak. torch's allocator
-is invisible to tracemalloc; maxrss of a process that did nothing else is the honest figure.
+Each variant runs in a fresh interpreter and reports the high-water mark of what torch's CPU
+allocator held for the step beyond what was allocated before it (the profiler's memory
+events, :class:`sandpiper.trainer.memory_probe.CpuPeak`: on a GPU the same quantity is
+``torch.cuda.max_memory_allocated``). The growth of ``ru_maxrss`` was tried first and is
+useless here: the interpreter's import-time peak already exceeds a chunked step, which then
+showed as 0 bytes, and freed pages made the activation figure negative.
 
 - ``logprob``: selected-token logprobs, forward and backward, of ``--tokens`` loss tokens
   through an output layer of SmolLM2's shape (hidden 576, V = 49,152; random weights: the
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -34,16 +35,13 @@ sys.path.insert(0, str(REPO))
 SMOLLM2_HIDDEN, SMOLLM2_VOCAB = 576, 49_152
 
 
-def _maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def logprob_step(variant: str, tokens: int, chunk_tokens: int) -> int:
     """Bytes the logprob step (forward + backward) added to the peak resident set."""
     import torch
     import torch.nn.functional as F
 
     from sandpiper.trainer.logprobs import selected_logprobs
+    from sandpiper.trainer.memory_probe import CpuPeak
 
     torch.manual_seed(0)
     head = torch.nn.Linear(SMOLLM2_HIDDEN, SMOLLM2_VOCAB, bias=False)
@@ -52,14 +50,14 @@ def logprob_step(variant: str, tokens: int, chunk_tokens: int) -> int:
     needed = torch.ones(1, tokens, dtype=torch.bool)
     head.weight.grad = torch.zeros_like(head.weight)  # allocated before the baseline
     hidden.grad = torch.zeros_like(hidden)
-    before = _maxrss_bytes()
-    if variant == "full":
-        logits = head(hidden)  # (1, T, V): every position, as the model's head did
-        picked = -F.cross_entropy(logits[needed].float(), targets, reduction="none")
-    else:
-        picked = selected_logprobs(head, hidden[needed], targets, chunk_tokens=chunk_tokens)
-    picked.sum().backward()
-    return _maxrss_bytes() - before
+    with CpuPeak() as peak:
+        if variant == "full":
+            logits = head(hidden)  # (1, T, V): every position, as the model's head did
+            picked = -F.cross_entropy(logits[needed].float(), targets, reduction="none")
+        else:
+            picked = selected_logprobs(head, hidden[needed], targets, chunk_tokens=chunk_tokens)
+        picked.sum().backward()
+    return peak.peak
 
 
 def activation_step(variant: str, model_dir: str, tokens: int) -> int:
@@ -67,6 +65,7 @@ def activation_step(variant: str, model_dir: str, tokens: int) -> int:
     import torch
 
     from sandpiper.trainer.checkpoint import load_model
+    from sandpiper.trainer.memory_probe import CpuPeak
     from sandpiper.trainer.packing import TrainSequence, pack, packed_logprobs
 
     torch.manual_seed(0)
@@ -85,10 +84,11 @@ def activation_step(variant: str, model_dir: str, tokens: int) -> int:
         ids = rng.integers(1, vocab, length).astype(np.int32)
         seqs.append(TrainSequence(str(i), ids, mask, np.where(mask, -1.0, np.nan), 0.0))
     micro = pack(seqs, [1.0] * n_seq)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    before = _maxrss_bytes()
-    packed_logprobs(model, micro).sum().backward()
-    return _maxrss_bytes() - before - grad_bytes
+    for p in model.parameters():  # allocated before the measurement: not activations
+        p.grad = torch.zeros_like(p)
+    with CpuPeak() as peak:
+        packed_logprobs(model, micro).sum().backward()
+    return peak.peak
 
 
 def measure(kind: str, variant: str, **options: object) -> int:

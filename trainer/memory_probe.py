@@ -72,10 +72,10 @@ def _ds_config(zero_stage: int, out_dir: Path) -> Path:
     return path
 
 
-class _CpuPeak:
+class CpuPeak:
     """High-water mark of torch's CPU allocator, from the profiler's memory events."""
 
-    def __enter__(self) -> _CpuPeak:
+    def __enter__(self) -> CpuPeak:
         import torch
 
         self._prof = torch.profiler.profile(
@@ -134,7 +134,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
 
     rss0 = _rss_bytes()
-    tracker = _CpuPeak() if not on_cuda else None
+    tracker = CpuPeak() if not on_cuda else None
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(world.device)
     else:
