@@ -144,7 +144,11 @@ def test_editor_on_huge_files_keeps_host_memory_small(sandbox_pool):
     print(f"peak RSS growth per call (KiB), control {control // 1024}:",
           {k: v // 1024 for k, v in grown.items()})  # fmt: skip
     worst = max(grown, key=grown.__getitem__)
-    assert grown[worst] < 16 * MB, (worst, grown)  # the file is 200 MB; the view shows 16 kB
+    # The file is 200 MB and the view shows 16 kB: a call that read the file whole would grow
+    # the peak by 200 MB, as the control does. The bound is a tenth of that: the rest of the
+    # worker (its event loop, pytest, the pool's own buffers) moves the peak too, by up to
+    # 20 MB under a loaded full suite (a 16 MB bound failed there once at 19.4 MB).
+    assert grown[worst] < 32 * MB, (worst, grown)
 
 
 PROBE = """
