@@ -47,10 +47,16 @@ def learner_launch(
 ) -> dict[str, Any]:
     """The learner's process: ``{"name", "argv", "cwd", "env"}`` (``env``: what is set over
     the caller's environment); ``argv`` is None when it runs in this process."""
-    gpus = learner_gpus(cfg, environ)
-    ranks = len(gpus) if gpus else nproc
     env: dict[str, str] = {}
     argv: list[str] | None = None
+    if "LOCAL_RANK" in environ or "RANK" in environ:
+        # already one rank of a launched world (`deepspeed --module sandpiper.cli learn`,
+        # `torchrun -m sandpiper.cli learn`): the launcher placed this process, and set
+        # CUDA_VISIBLE_DEVICES for it (DeepSpeed does so on CPU too: "0,1" for two ranks);
+        # launching again would start a world per rank on the same port (EADDRINUSE)
+        return {"name": "learner", "argv": None, "cwd": str(Path.cwd()), "env": env}
+    gpus = learner_gpus(cfg, environ)
+    ranks = len(gpus) if gpus else nproc
     if ranks > 1:
         launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
         where = ["--include", "localhost:" + ",".join(map(str, gpus))] if gpus else []

@@ -42,6 +42,7 @@ server_urls = [{json.dumps(vllm_server.url)}]
 max_model_len = 2048
 [learner]
 model = {json.dumps(str(vllm_server.model_dir))}
+algo = "sft"  # greedy replies for a deterministic test: GRPO refuses temperature 0
 [collector]
 temperature = 0.0
 max_tokens_per_turn = 12

@@ -102,6 +102,19 @@ def test_learner_honours_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -
     assert argv[-4:] == ["--module", "sandpiper.trainer", "--config", "c.toml"]
 
 
+@pytest.mark.parametrize("config", [None, H100], ids=["cpu", "8xh100"])
+def test_a_rank_of_a_launched_world_trains_in_its_own_process(config) -> None:
+    """`deepspeed --module sandpiper.cli learn` sets CUDA_VISIBLE_DEVICES=0,1 for each rank,
+    also on CPU: read as a placement, every rank launched a world of its own on one port
+    (EADDRINUSE in tests/integration/test_learner_launchers.py)."""
+    environ = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "0,1"}
+    plan = learner_launch(
+        load_config(config), config_path="c.toml", extra=[], nproc=1, environ=environ,
+        master_port="1234",
+    )  # fmt: skip
+    assert plan["argv"] is None and plan["env"] == {}
+
+
 def test_learner_gpus_from_config_and_cpu_path() -> None:
     plan = learner_launch(
         load_config(H100), config_path=None, extra=[], nproc=1, environ={}, master_port="1"
