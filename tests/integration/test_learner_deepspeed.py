@@ -116,6 +116,7 @@ def test_two_processes_match_one_process(
     assert m_got["is/w_mean"] == pytest.approx(m_ref["is/w_mean"], rel=1e-5)
 
 
+@pytest.mark.long
 def test_checkpointing_and_chunked_logprobs_under_zero3_match_one_plain_process(
     tmp_path, learner_tiny_model, groups_pkl, reference
 ):

@@ -30,7 +30,7 @@ from tests.conftest import REPO, require
 from tests.fixtures.learner import make_config, sample_group
 from tests.fixtures.vllm import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long]
 
 VENV_BIN = Path(sys.executable).parent
 

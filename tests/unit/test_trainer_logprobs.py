@@ -146,6 +146,7 @@ def test_architecture_with_logit_softcapping_gets_full_logits() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_chunked_logprob_step_peak_memory_is_4x_lower_at_smollm2_vocab() -> None:
     """SmolLM2's output layer (V = 49,152), 8,192 loss tokens, forward and backward: the
     chunked step's peak resident growth is at least 4x below the full-logits step's."""
