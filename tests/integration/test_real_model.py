@@ -21,9 +21,10 @@ answer file exactly, whether or not the episode submits. The base model copies i
 clean reply (block, then end of turn) in about one sample in eight at temperature 0.5 and
 rarely at 1.0 (HF sampling, 48 samples each: 6 at 0.5 against 2 at 1.0 with top_p 0.7; a
 run of this test at 0.5 and groups of 4 got 2 of 16, with both trained groups all 0). At 0.4 with groups of 6, one run
-gave 4/6 and 1/6 in the two trained groups. Stored logprobs stay raw
-(``inference.logprobs_mode``), as the learner computes them, so the KL check compares like
-with like at any temperature.
+gave 4/6 and 1/6 in the two trained groups. Stored logprobs are the processed ones
+(``inference.logprobs_mode = "processed_logprobs"``: after the temperature), which the learner
+scores at the group's temperature (a GRPO run with raw logprobs at 0.4 is refused), and the
+KL check divides the checkpoint's logits by the same temperature: like with like.
 
 Cost: 474 s on the shared 2-core machine at load average 12-25 (vLLM start-up, 2 groups of 6
 in ~60 s, one learner step on 3.4 k tokens in 198 s, reload, the KL pass); the learner step
@@ -48,6 +49,9 @@ from sqlalchemy import text
 
 from tests.conftest import REPO, require
 from tests.fixtures.sandbox import run_containers
+
+TEMPERATURE = 0.4
+"""Sampling temperature; the stored (processed) logprobs and the KL check both use it."""
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
 
@@ -82,7 +86,12 @@ def _config(tmp: Path) -> Path:
             "lock_timeout_s": 300.0,
         },
         "sandbox": {"pool_size": 6, "memory_mb": 256, "workspace_size_mb": 64},
-        "inference": {"num_servers": 1, "max_model_len": 768, "base_port": _free_port()},
+        "inference": {
+            "num_servers": 1,
+            "max_model_len": 768,
+            "base_port": _free_port(),
+            "logprobs_mode": "processed_logprobs",
+        },
         "collector": {
             "tasks": str(_write_tasks(tmp / "tasks.jsonl")),
             "tools": ["execute_bash", "submit"],
@@ -92,7 +101,7 @@ def _config(tmp: Path) -> Path:
             "max_turns": 2,
             "max_tokens_per_turn": 96,
             "max_episode_tokens": 160,
-            "temperature": 0.4,
+            "temperature": TEMPERATURE,
             "max_concurrent_episodes": 6,
             "max_unconsumed_groups": GROUPS_PER_STEP,
             "policy_poll_s": 0.5,
@@ -188,7 +197,9 @@ def _learner_kl(checkpoint: str, episodes: list) -> tuple[float, int]:
         with torch.no_grad():
             logits = model(ids[None], use_cache=False).logits[0, :-1].float()
         # learner_T[t] is the logprob of token t+1 given tokens 0..t
-        learner_T = torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0].numpy()
+        learner_T = (
+            torch.log_softmax(logits / TEMPERATURE, -1).gather(1, ids[1:, None])[:, 0].numpy()
+        )
         mask_T = ep.loss_mask_T.copy()
         assert not mask_T[0], "the first token is part of the prompt"
         assert set(ep.policy_versions_T[mask_T].tolist()) == {1}
