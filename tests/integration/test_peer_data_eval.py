@@ -137,22 +137,10 @@ def test_peer_data_imported_and_evaluated_through_the_cli(sandbox_image, tmp_pat
     }  # fmt: skip
     server, url = _serve(scripts)
     name = "it-peers"
-    config = tmp_path / "eval.toml"
-    config.write_text(
-        f'name = "{name}"\nruns_dir = "{tmp_path / "runs"}"\n'
-        f'[store]\nurl = "duckdb:///{tmp_path / "store.duckdb"}"\nflush_interval_s = 0.2\n'
-        '[sandbox]\npool_size = 1\nmemory_mb = 256\nworkspace_size_mb = 64\n'
-        f'[collector]\ntasks = "{imported}"\nvalidation_group_size = 1\nmax_turns = 4\n'
-        "max_tokens_per_turn = 2048\nmax_concurrent_episodes = 2\n"
+    done = collect_eval(
+        tmp_path, name=name, tasks=imported, url=url, server=server,
+        store=tmp_path / "store.duckdb", pool_size=1, max_concurrent=2,
     )  # fmt: skip
-    try:
-        cmd = [sys.executable, "-m", "sandpiper.cli", "collect", "--config", str(config),
-               "--eval", "--endpoint", url, "--model", "scripted"]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=500)
-    finally:
-        server.shutdown()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "evaluated 7 tasks" in done.stdout
     engine = sa.create_engine(f"duckdb:///{tmp_path / 'store.duckdb'}")
     with engine.connect() as conn:
@@ -169,3 +157,35 @@ def test_peer_data_imported_and_evaluated_through_the_cli(sandbox_image, tmp_pat
         assert valid and stop == "submitted", (task_id, stop, error)
         assert got_reward == pytest.approx(reward), (task_id, got_reward)
     assert run_containers(name, f"duckdb:///{tmp_path / 'store.duckdb'}") == []
+
+
+def collect_eval(
+    tmp_path: Path,
+    *,
+    name: str,
+    tasks: Path,
+    url: str,
+    server,
+    store: Path,
+    pool_size: int,
+    max_concurrent: int,
+) -> subprocess.CompletedProcess:
+    """`sandpiper collect --eval` on ``tasks`` against the scripted endpoint at ``url`` (shut
+    down after the run), storing into the DuckDB file ``store``; fails the test on an error."""
+    config = tmp_path / "eval.toml"
+    config.write_text(
+        f'name = "{name}"\nruns_dir = "{tmp_path / "runs"}"\n'
+        f'[store]\nurl = "duckdb:///{store}"\nflush_interval_s = 0.2\n'
+        f"[sandbox]\npool_size = {pool_size}\nmemory_mb = 256\nworkspace_size_mb = 64\n"
+        f'[collector]\ntasks = "{tasks}"\nvalidation_group_size = 1\nmax_turns = 4\n'
+        f"max_tokens_per_turn = 2048\nmax_concurrent_episodes = {max_concurrent}\n"
+    )  # fmt: skip
+    try:
+        cmd = [sys.executable, "-m", "sandpiper.cli", "collect", "--config", str(config),
+               "--eval", "--endpoint", url, "--model", "scripted"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=500)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
