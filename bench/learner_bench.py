@@ -17,6 +17,15 @@ tokens/s counts real (non-padding) prompt + completion tokens. Steps alternate b
 two and the median of ``--repeats`` is reported; the ratio is the result
 (``speedup_vs_trl``), absolute numbers on a shared CPU are noise.
 
+``--variants`` (default all, each in a process of its own) runs the learner's settings
+against TRL's matching ones on the same batch: ``fp32`` (both sides' CPU default: its figures
+keep the plain keys), ``bf16`` (DeepSpeed's bf16 mode / TRL's ``bf16=True`` autocast),
+``checkpointing`` (both sides' activation checkpointing; TRL's own default, which its
+``Trainer.train()`` switches on) and ``one-chunk`` (ours scoring every loss token's logits at
+once). Each reports tokens/s and the step's peak allocator bytes above the step's start for
+both sides, ``<variant>_speedup_vs_trl`` against TRL's matching setting and
+``<variant>_speedup_vs_trl_best`` against TRL's fastest here (its fp32 step).
+
     .venv/bin/python bench/learner_bench.py --json
     .venv/bin/python bench/learner_bench.py --model smollm2 --json
 """
@@ -52,7 +61,11 @@ def make_batch(rng: np.random.Generator, *, groups: int, group_size: int, vocab:
     return batch
 
 
-def sandpiper_step(model_dir: Path, batch: list, lr: float):
+def sandpiper_step(
+    model_dir: Path, batch: list, lr: float, *, precision: str = "fp32",
+    checkpointing: bool = False, chunk_tokens: int | None = None,
+):  # fmt: skip
+    """One GRPO optimisation step of ours; ``chunk_tokens`` None: the learner's default."""
     from sandpiper.trainer.checkpoint import load_model
     from sandpiper.trainer.engine import build_engine, init_distributed
     from sandpiper.trainer.loss import LossConfig, grpo_loss
@@ -63,9 +76,11 @@ def sandpiper_step(model_dir: Path, batch: list, lr: float):
     from sandpiper.config import LearnerConfig
 
     lc = LearnerConfig(micro_batch_tokens=4096, lr=lr)
+    chunk = lc.logprob_chunk_tokens if chunk_tokens is None else chunk_tokens
     engine = build_engine(
         load_model(model_dir), ds_config_path=Path(__file__).parent.parent / lc.deepspeed_config,
-        world=world, lr=lr, weight_decay=0.0, max_grad_norm=1.0,
+        world=world, lr=lr, weight_decay=0.0, max_grad_norm=1.0, precision=precision,
+        gradient_checkpointing=checkpointing,
     )  # fmt: skip
     loss_cfg = LossConfig()
     seqs = []
@@ -83,12 +98,17 @@ def sandpiper_step(model_dir: Path, batch: list, lr: float):
 
     def step() -> None:
         minibatch = build_minibatch(seqs, learner_cfg=lc, world=world)
-        optimise(engine, [minibatch], loss_fn, epochs=1)
+        optimise(engine, [minibatch], loss_fn, epochs=1, logprob_chunk_tokens=chunk)
 
     return step
 
 
-def trl_step(model_dir: Path, batch: list, lr: float, group_size: int, out_dir: str):
+def trl_step(
+    model_dir: Path, batch: list, lr: float, group_size: int, out_dir: str, *,
+    bf16: bool = False, checkpointing: bool = False,
+):  # fmt: skip
+    """TRL's ``training_step`` + optimiser step on the same batch; fp32 without checkpointing
+    is its best setting on this CPU (bf16 autocast is slower here: bench/learner_precision.py)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -100,14 +120,19 @@ def trl_step(model_dir: Path, batch: list, lr: float, group_size: int, out_dir: 
     args = GRPOConfig(
         output_dir=out_dir, per_device_train_batch_size=n, num_generations=group_size,
         gradient_accumulation_steps=1, learning_rate=lr, beta=0.0, report_to=[],
-        use_cpu=not torch.cuda.is_available(), bf16=False, logging_steps=10**9,
+        use_cpu=not torch.cuda.is_available(), bf16=bf16, logging_steps=10**9,
         max_completion_length=512, loss_type="grpo", save_strategy="no",
+        gradient_checkpointing=checkpointing,
     )  # fmt: skip
     dataset = Dataset.from_dict({"prompt": ["x"] * n})
     trainer = GRPOTrainer(
         model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
         args=args, train_dataset=dataset, processing_class=tokenizer,
     )  # fmt: skip
+    if checkpointing:  # as Trainer.train() does; the bench calls training_step directly
+        trainer.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or None
+        )
     trainer.create_optimizer()
     device = trainer.accelerator.device
     p_len = max(len(b[0]) for b in batch)
@@ -161,7 +186,7 @@ def bench_model(name: str, tmp: Path) -> tuple[Path, int]:
 
 PLANNER_CASES = {
     "tiny": [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)],
-    "smollm2": [("fp32", False), ("fp32", True)],
+    "smollm2": [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)],
 }
 """The CPU cases of the planner's validation (tests/unit/test_trainer_memory_plan.py)."""
 
@@ -198,6 +223,112 @@ def memory_figures(name: str, model_dir: Path) -> dict:
     return out
 
 
+VARIANTS: dict[str, tuple[dict, dict]] = {
+    "fp32": ({}, {}),
+    "bf16": ({"precision": "bf16"}, {"bf16": True}),
+    "checkpointing": ({"checkpointing": True}, {"checkpointing": True}),
+    "one-chunk": ({"chunk_tokens": 10**9}, {}),
+}
+"""Our learner's settings and TRL's matching ones: ``fp32`` is both sides' default on CPU
+(chunked logprobs for ours), ``one-chunk`` scores every loss token's full-vocabulary logits
+at once (TRL has no chunking: its fp32 step is the match)."""
+
+
+def step_peak_bytes(step) -> int:
+    """Peak bytes the allocator held during one call of ``step`` above what it held before."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated() - base)
+    from sandpiper.trainer.memory_probe import CpuPeak
+
+    with CpuPeak() as peak:
+        step()
+    return int(peak.peak)
+
+
+def run_variant(args: argparse.Namespace, variant: str, groups: int, group_size: int,
+                repeats: int) -> dict:  # fmt: skip
+    """One variant in this process: warm-up, one step each under the memory tracker, then
+    ``repeats`` timed steps alternating between the two sides."""
+    ours_kw, trl_kw = VARIANTS[variant]
+    with tempfile.TemporaryDirectory(prefix="learner-bench-") as tmp:
+        model_dir, vocab = bench_model(args.model, Path(tmp))
+        batch = make_batch(
+            np.random.default_rng(0), groups=groups, group_size=group_size, vocab=vocab,
+        )  # fmt: skip
+        tokens = sum(len(p) + len(c) for p, c, _, _ in batch)
+        ours = sandpiper_step(model_dir, batch, 1e-6, **ours_kw)
+        theirs = trl_step(model_dir, batch, 1e-6, group_size, str(Path(tmp) / "trl"), **trl_kw)
+        ours(), theirs()  # warm-up: the optimiser's state is allocated in the first step
+        peak_ours, peak_trl = step_peak_bytes(ours), step_peak_bytes(theirs)
+        t_ours, t_trl = [], []
+        for _ in range(repeats):
+            for fn, times in ((ours, t_ours), (theirs, t_trl)):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            print(f"[{variant}] step_s sandpiper={t_ours[-1]:.3f} trl={t_trl[-1]:.3f}",
+                  file=sys.stderr)  # fmt: skip
+    from sandpiper.trainer.engine import shutdown_distributed
+
+    ours = theirs = fn = None  # our step holds the engine, and the engine its process group
+    shutdown_distributed()  # a live gloo group can abort the interpreter's exit
+    ours_s, trl_s = statistics.median(t_ours), statistics.median(t_trl)
+    return {
+        "variant": variant,
+        "sequences": len(batch),
+        "tokens": tokens,
+        "padded_tokens_trl": len(batch) * (max(len(b[0]) for b in batch)
+                                           + max(len(b[1]) for b in batch)),
+        "sandpiper_step_s": round(ours_s, 4),
+        "trl_step_s": round(trl_s, 4),
+        "sandpiper_tokens_per_s": round(tokens / ours_s, 1),
+        "trl_tokens_per_s": round(tokens / trl_s, 1),
+        "speedup_vs_trl": round(trl_s / ours_s, 3),
+        "sandpiper_step_peak_bytes": peak_ours,
+        "trl_step_peak_bytes": peak_trl,
+    }  # fmt: skip
+
+
+def run_variants(args: argparse.Namespace, variants: list[str]) -> dict:
+    """Each variant in a process of its own (a fresh allocator and process group); the
+    result: the ``fp32`` figures under their plain keys, every variant's under
+    ``<variant>_...`` keys, and each variant's speed against TRL's matching setting and
+    against TRL's best on this device (its fp32 step)."""
+    import subprocess
+
+    per: dict[str, dict] = {}
+    for variant in variants:
+        argv = [sys.executable, __file__, "--model", args.model, "--variants", variant,
+                "--no-memory", "--json"]  # fmt: skip
+        for flag in ("groups", "group_size", "repeats"):
+            if getattr(args, flag) is not None:
+                argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
+        per[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict = {"model": args.model}
+    if "fp32" in per:
+        result.update({k: v for k, v in per["fp32"].items() if k != "variant"})
+    for variant, r in per.items():
+        key = variant.replace("-", "_")
+        result[f"{key}_tokens_per_s"] = r["sandpiper_tokens_per_s"]
+        result[f"{key}_step_peak_bytes"] = r["sandpiper_step_peak_bytes"]
+        result[f"trl_{key}_tokens_per_s"] = r["trl_tokens_per_s"]
+        result[f"trl_{key}_step_peak_bytes"] = r["trl_step_peak_bytes"]
+        result[f"{key}_speedup_vs_trl"] = r["speedup_vs_trl"]
+        if "fp32" in per:
+            result[f"{key}_speedup_vs_trl_best"] = round(
+                r["sandpiper_tokens_per_s"] / per["fp32"]["trl_tokens_per_s"], 3
+            )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -209,50 +340,29 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=None, help="default 8 (smollm2: 2)")
     parser.add_argument("--group-size", type=int, default=None, help="default 8 (smollm2: 4)")
     parser.add_argument("--repeats", type=int, default=None, help="default 5 (smollm2: 2)")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS),
+        help=f"comma-separated, each in its own process (default: all of {', '.join(VARIANTS)})",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument(
         "--no-memory", action="store_true",
         help="skip the memory figures (logprob, checkpointing, planner: minutes on 2 cores)",
     )  # fmt: skip
     args = parser.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or not variants:
+        parser.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
     real = args.model == "smollm2"
     groups = args.groups or (2 if real else 8)
     group_size = args.group_size or (4 if real else 8)
     repeats = args.repeats or (2 if real else 5)
-
-    with tempfile.TemporaryDirectory(prefix="learner-bench-") as tmp:
-        model_dir, vocab = bench_model(args.model, Path(tmp))
-        batch = make_batch(
-            np.random.default_rng(0), groups=groups, group_size=group_size, vocab=vocab,
-        )  # fmt: skip
-        tokens = sum(len(p) + len(c) for p, c, _, _ in batch)
-        ours = sandpiper_step(model_dir, batch, 1e-6)
-        theirs = trl_step(model_dir, batch, 1e-6, group_size, str(Path(tmp) / "trl"))
-        ours(), theirs()  # warm-up
-        t_ours, t_trl = [], []
-        for _ in range(repeats):
-            for fn, times in ((ours, t_ours), (theirs, t_trl)):
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            print(f"step_s sandpiper={t_ours[-1]:.3f} trl={t_trl[-1]:.3f}", file=sys.stderr)
-    from sandpiper.trainer.engine import shutdown_distributed
-
-    ours = theirs = fn = None  # our step holds the engine, and the engine its process group
-    shutdown_distributed()  # a live gloo group can abort the interpreter's exit
-    ours_s, trl_s = statistics.median(t_ours), statistics.median(t_trl)
-    result = {
-        "model": args.model,
-        "sequences": len(batch),
-        "tokens": tokens,
-        "padded_tokens_trl": len(batch) * (max(len(b[0]) for b in batch)
-                                           + max(len(b[1]) for b in batch)),
-        "sandpiper_step_s": round(ours_s, 4),
-        "trl_step_s": round(trl_s, 4),
-        "sandpiper_tokens_per_s": round(tokens / ours_s, 1),
-        "trl_tokens_per_s": round(tokens / trl_s, 1),
-        "speedup_vs_trl": round(trl_s / ours_s, 3),
-    }  # fmt: skip
+    if len(variants) == 1:
+        result = {"model": args.model, **run_variant(args, variants[0], groups, group_size,
+                                                     repeats)}  # fmt: skip
+    else:
+        result = run_variants(args, variants)
     if not args.no_memory:
         result.update(memory_figures(args.model, model_dir_for(args.model)))
     for key, value in result.items():

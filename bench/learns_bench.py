@@ -1,13 +1,22 @@
-"""Does a real model learn a real task family on CPU? SmolLM2-135M on the peer task set.
+"""Does a real model learn a real task family on CPU? SmolLM2-135M on a family it did not write.
 
-    python bench/learns_bench.py [--minutes 30] [--train-tasks 64] [--heldout-tasks 128]
+    python bench/learns_bench.py [--suite peer|reasoning-gym:products] [--minutes 30]
+                                 [--train-tasks 64] [--heldout-tasks 128]
                                  [--runs-dir runs/learns] [--out FILE] [--json]
 
-1. The peer suite (bench/race_setup.py): LLM-in-Sandbox-RL rows of the "sum the numbers in
-   numbers.txt" family, imported unchanged with ``sandpiper tasks import``; the held-out
-   tasks come from another seed and other ids (checked: no id and no answer shared).
+1. The suite:
+   - ``peer`` (bench/race_setup.py): LLM-in-Sandbox-RL rows of the "sum the numbers in
+     numbers.txt" family, imported unchanged with ``sandpiper tasks import``; the held-out
+     tasks come from another seed and other ids (checked: no id and no answer shared).
+   - ``reasoning-gym:products``: reasoning-gym's ``products`` dataset (multiply two numbers
+     of up to five digits), imported with ``sandpiper tasks import reasoning-gym:products
+     --validation-size N``; the held-out items are the importer's validation split, built
+     from a seed range that cannot meet the training one (checked: no id and no question
+     shared). The reward is the library's own ``score_answer``, partial credit kept.
 2. A warm start: SmolLM2-135M, SFT (``sandpiper learn --algo sft``) on the demo's scripted
-   weak teacher (bash blocks, computing in 30 % of its episodes) on the TRAIN tasks only.
+   weak teacher (bash blocks, computing in 30 % of its episodes, guessing a number in the
+   rest; for ``products`` it computes ``python3 -c 'print(A * B)'`` with the numbers of the
+   question) on the TRAIN tasks only.
    SmolLM2 makes no tool calls of its own, so without it there is no reward signal.
    Cached in ``<runs-dir>/start``: a rerun skips it.
 3. Held-out pass@1 BEFORE (the warm start): the race's eval harness (bench/race_eval.py,
@@ -15,9 +24,11 @@
 4. ``sandpiper collect`` + ``sandpiper learn`` (GRPO, the demo's launcher) for ``--minutes``
    on the train tasks.
 5. Held-out pass@1 AFTER, on the newest checkpoint, same harness and sampling.
-6. n, passes, pass@1 with a 95 % Wilson interval before and after, the difference with a
-   95 % interval (Newcombe's hybrid score method) and McNemar's discordant counts (the same
-   tasks are scored twice) with the exact two-sided p-value.
+6. n, passes, pass@1 (reward >= 1) with a 95 % Wilson interval before and after, the
+   difference with a 95 % interval (Newcombe's hybrid score method) and McNemar's
+   discordant counts (the same tasks are scored twice) with the exact two-sided p-value;
+   the mean score (partial credit counted) with a 95 % Student-t interval before and after,
+   and the paired difference of the per-task scores with its 95 % t interval.
 
 Each finished phase is recorded in ``<runs-dir>/phases.json``; a rerun with the same
 arguments resumes after the last finished one (delete the folder to start over).
@@ -28,9 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +62,8 @@ from race_setup import (  # noqa: E402  (bench scripts import their siblings)
     prepare_suite,
     task_ids,
 )
+
+from sandpiper.errors import SandpiperError  # noqa: E402
 
 Z95 = 1.959963984540054
 """The standard normal quantile of 0.975: two-sided 95 % intervals."""
@@ -95,24 +112,54 @@ def mcnemar_exact_p(only_a: int, only_b: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def compare(before: dict[str, bool], after: dict[str, bool]) -> dict[str, Any]:
-    """Pass@1 before and after (task id -> passed), their intervals and the paired counts."""
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, lower, upper): the 95 % Student-t interval of the mean of ``values``."""
+    from scipy import stats
 
-    def one(results: dict[str, bool]) -> dict[str, Any]:
-        n, k = len(results), sum(results.values())
+    n = len(values)
+    if n < 2:
+        raise ValueError(f"need at least two values for an interval, got {n}")
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def passed(score: float | bool) -> bool:
+    """A pass: the full reward (a float score of 1, or an older run's boolean)."""
+    return float(score) >= 1.0
+
+
+def compare(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Before and after (task id -> score): pass@1 and mean score, their intervals, the
+    paired counts and the paired score difference."""
+
+    def one(scores: dict[str, float]) -> dict[str, Any]:
+        n, k = len(scores), sum(passed(v) for v in scores.values())
         lo, hi = wilson(k, n)
-        return {"n": n, "passes": k, "pass_at_1": k / n, "wilson95": [lo, hi]}
+        mean, m_lo, m_hi = t_interval([float(v) for v in scores.values()])
+        return {"n": n, "passes": k, "pass_at_1": k / n, "wilson95": [lo, hi],
+                "mean_score": mean, "mean_score_t95": [m_lo, m_hi]}  # fmt: skip
 
     diff, lo, hi = newcombe_difference(
-        sum(after.values()), len(after), sum(before.values()), len(before)
+        sum(map(passed, after.values())),
+        len(after),
+        sum(map(passed, before.values())),
+        len(before),
     )
     paired = sorted(set(before) & set(after))
-    only_after = sum(after[t] and not before[t] for t in paired)
-    only_before = sum(before[t] and not after[t] for t in paired)
+    only_after = sum(passed(after[t]) and not passed(before[t]) for t in paired)
+    only_before = sum(passed(before[t]) and not passed(after[t]) for t in paired)
+    d_mean, d_lo, d_hi = t_interval([float(after[t]) - float(before[t]) for t in paired])
     return {
         "before": one(before),
         "after": one(after),
         "difference": {"after_minus_before": diff, "newcombe95": [lo, hi]},
+        "score_difference": {
+            "paired_tasks": len(paired),
+            "mean_after_minus_before": d_mean,
+            "paired_t95": [d_lo, d_hi],
+        },
         "mcnemar": {
             "paired_tasks": len(paired),
             "pass_after_only": only_after,
@@ -123,6 +170,65 @@ def compare(before: dict[str, bool], after: dict[str, bool]) -> dict[str, Any]:
 
 
 # --- the run -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Suite:
+    """A task family the bench runs: how to write it and how its scripted teacher solves it."""
+
+    name: str
+    description: str
+    instruction: str
+    """Text every prompt of the family holds: the teacher refuses any other prompt."""
+    compute_command: str | Callable[[str], str]
+    """The shell command that solves an item (or builds it from the prompt's text)."""
+    shared_field: str
+    """What train and held-out tasks must not share: ``answer`` or ``prompt``."""
+
+
+PRODUCTS_QUESTION = re.compile(r"Solve the following multiplication: ([0-9][0-9 *]*)\. Give")
+"""reasoning-gym ``products`` (0.1.25): "Solve the following multiplication: 1663 * 5242.
+Give only the result as your final answer." (no negation in its default config)."""
+
+
+def products_command(prompt: str) -> str:
+    """The teacher's computation for a ``products`` item: the question's product in python."""
+    match = PRODUCTS_QUESTION.search(prompt)
+    if match is None:
+        raise SandpiperError("no reasoning-gym products question in the prompt")
+    return f"python3 -c 'print({match.group(1)})' > answer.txt"
+
+
+SUITES = {
+    "peer": Suite("peer", "peer (LLM-in-Sandbox-RL rows, sum of numbers.txt)", PEER_PROBLEM,
+                  PEER_COMPUTE_COMMAND, "answer"),
+    "reasoning-gym:products": Suite(
+        "reasoning-gym:products",
+        "reasoning-gym products 0.1.25 (default config: two factors of 1-5 digits), "
+        "scored by its own score_answer",
+        "Solve the following multiplication:", products_command, "prompt"),
+}  # fmt: skip
+
+
+def prepare(suite: Suite, settings: RaceSettings, root: Path) -> tuple[Path, Path]:
+    """(train tasks, held-out tasks) of ``suite`` under ``root`` (idempotent)."""
+    if suite.name == "peer":
+        return prepare_suite(settings, root)
+    train, heldout = root / "train" / "tasks.jsonl", root / "heldout" / "tasks.jsonl"
+    if train.is_file() and heldout.is_file():
+        return train, heldout
+    imported = root / "imported"
+    family = suite.name.split(":", 1)[1]
+    cmd = [sys.executable, "-m", "sandpiper.cli", "tasks", "import", f"reasoning-gym:{family}",
+           "--size", str(settings.train_tasks), "--seed", str(settings.seed),
+           "--validation-size", str(settings.heldout_tasks), "--out", str(imported)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=REPO)
+    rows = [json.loads(line) for line in (imported / "tasks.jsonl").read_text().splitlines()]
+    for path, split in ((train, "train"), (heldout, "validation")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        chosen = [row for row in rows if row["split"] == split]
+        path.write_text("".join(json.dumps(row) + "\n" for row in chosen))
+    return train, heldout
 
 
 def base_config(runs_dir: Path, name: str, tasks: Path, model: Path) -> Any:
@@ -138,21 +244,27 @@ def base_config(runs_dir: Path, name: str, tasks: Path, model: Path) -> Any:
     return cfg
 
 
-def check_disjoint(train: Path, heldout: Path) -> None:
-    """Refuse a suite where a held-out task shares an id or an answer with a train task."""
+def check_disjoint(train: Path, heldout: Path, field: str = "answer") -> None:
+    """Refuse a suite where a held-out task shares an id, or its answer or prompt (``field``),
+    with a train task. (Two products items may share an answer, 2 * 6 and 3 * 4, but never a
+    question.)"""
     from sandpiper.collector.tasks.loading import load_tasks
 
     train_ids, held_ids = set(task_ids(train)), set(task_ids(heldout))
-    assert not train_ids & held_ids, f"train and held-out share ids: {train_ids & held_ids}"
+    if train_ids & held_ids:
+        raise SandpiperError(f"train and held-out share ids: {sorted(train_ids & held_ids)[:5]}")
 
-    def answers(source: Path) -> set[str]:
+    def values(source: Path) -> set[str]:
+        if field == "prompt":
+            return {t.instruction for t in load_tasks(source)}
         return {str(getattr(t.reference, "answer", None)) for t in load_tasks(source)}
 
-    shared = answers(train) & answers(heldout)
-    assert not shared, f"train and held-out share answers: {sorted(shared)[:5]}"
+    shared = values(train) & values(heldout)
+    if shared:
+        raise SandpiperError(f"train and held-out share {field}s: {sorted(shared)[:5]}")
 
 
-def warm_start(root: Path, train: Path, log: Any) -> tuple[Path, dict[str, Any]]:
+def warm_start(root: Path, train: Path, suite: Suite, log: Any) -> tuple[Path, dict[str, Any]]:
     """SFT on the scripted teacher's episodes on the train tasks; cached in ``root/start``."""
     import asyncio
 
@@ -178,8 +290,8 @@ def warm_start(root: Path, train: Path, log: Any) -> tuple[Path, dict[str, Any]]
             compute_fraction=COMPUTE_FRACTION,
             seed=SEED,
             action_format="bash_block",
-            instruction=PEER_PROBLEM,
-            compute_command=PEER_COMPUTE_COMMAND,
+            instruction=suite.instruction,
+            compute_command=suite.compute_command,
         )
         log(f"warm start: {n} teacher episodes (computing in {COMPUTE_FRACTION:.0%}), then SFT")
         asyncio.run(
@@ -202,7 +314,8 @@ def warm_start(root: Path, train: Path, log: Any) -> tuple[Path, dict[str, Any]]
 
 
 def evaluate(cfg: Any, checkpoint: Path, heldout: Path, out: Path, label: str) -> dict[str, Any]:
-    """Held-out pass@1 of one checkpoint: a fresh eval harness, one sample per task."""
+    """Held-out score of one checkpoint (task id -> reward, partial credit kept; an episode
+    with no reward scores 0): a fresh eval harness, one sample per task."""
     from race_eval import Checkpoint, Harness
 
     shutil.rmtree(out, ignore_errors=True)
@@ -213,10 +326,10 @@ def evaluate(cfg: Any, checkpoint: Path, heldout: Path, out: Path, label: str) -
     from sandpiper.analysis import api
 
     frame = api.episodes(f"duckdb:///{out}/eval.duckdb", run_id=result["run_id"])
-    per_task: dict[str, bool] = {}
+    per_task: dict[str, float] = {}
     for row in frame.iter_rows(named=True):
         if row["valid"]:
-            per_task[row["task_id"]] = bool(row["reward"] is not None and row["reward"] >= 1.0)
+            per_task[row["task_id"]] = float(row["reward"] or 0.0)
     return {**result, "wall_s": time.time() - t0, "per_task": per_task}
 
 
@@ -248,10 +361,15 @@ def train(cfg: Any, minutes: float) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--suite", choices=sorted(SUITES), default="peer", help="the task family (default: peer)"
+    )
     parser.add_argument("--minutes", type=float, default=30.0, help="GRPO wall-clock budget")
     parser.add_argument("--train-tasks", type=int, default=64)
     parser.add_argument("--heldout-tasks", type=int, default=128, help="one sample each")
-    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "learns")
+    parser.add_argument(
+        "--runs-dir", type=Path, help="the run's folder (default: runs/learns/<suite>)"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON, last")
     parser.add_argument("--out", type=Path, help="also write the result (JSON) to this file")
     return parser.parse_args(argv)
@@ -259,11 +377,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    root = args.runs_dir.resolve()
+    suite = SUITES[args.suite]
+    slug = suite.name.replace(":", "-")
+    root = (args.runs_dir or REPO / "runs" / "learns" / slug).resolve()
     root.mkdir(parents=True, exist_ok=True)
     state_path = root / "phases.json"
     state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    wanted = {"minutes": args.minutes, "train_tasks": args.train_tasks,
+    wanted = {"suite": suite.name, "minutes": args.minutes, "train_tasks": args.train_tasks,
               "heldout_tasks": args.heldout_tasks}  # fmt: skip
     if state.get("args", wanted) != wanted:
         raise SystemExit(f"{root} holds a run with {state['args']}; give another --runs-dir")
@@ -279,12 +399,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = RaceSettings(model="smollm2", suite="peer", minutes=args.minutes,
                             train_tasks=args.train_tasks, heldout_tasks=args.heldout_tasks,
                             seed=SEED)  # fmt: skip
-    train_dir, heldout = prepare_suite(settings, root / "tasks")
-    check_disjoint(train_dir, heldout)
-    log(f"peer suite: {len(task_ids(train_dir))} train, {len(task_ids(heldout))} held-out")
+    train_dir, heldout = prepare(suite, settings, root / "tasks")
+    check_disjoint(train_dir, heldout, suite.shared_field)
+    log(f"{suite.name}: {len(task_ids(train_dir))} train, {len(task_ids(heldout))} held-out")
     if "warm_start" not in state:
         t0 = time.time()
-        start, info = warm_start(root, train_dir, log)
+        start, info = warm_start(root, train_dir, suite, log)
         state["warm_start"] = {**info, "wall_s": time.time() - t0}
         save()
     start = Path(state["warm_start"]["checkpoint"])
@@ -296,7 +416,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(f"held-out pass@1 before: {args.heldout_tasks} tasks")
         state["before"] = evaluate(grpo_cfg, start, heldout, root / "eval-before", "before")
         save()
-    log(f"before: {sum(state['before']['per_task'].values())}/{len(state['before']['per_task'])}")
+    before_scores = state["before"]["per_task"].values()
+    log(f"before: {sum(map(passed, before_scores))}/{len(before_scores)} passed")
     if "train" not in state:
         log(f"GRPO for {args.minutes:g} min on the train tasks")
         state["train"] = train(grpo_cfg, args.minutes)
@@ -311,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save()
     result = {
         "model": "SmolLM2-135M-Instruct (runs/smollm2-135m)",
-        "suite": "peer (LLM-in-Sandbox-RL rows, sum of numbers.txt)",
+        "suite": suite.description,
         "action_format": grpo_cfg.collector.tool_parser,
         "sampling": {
             "temperature": grpo_cfg.collector.temperature,
@@ -337,8 +458,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def print_result(r: dict[str, Any]) -> None:
     def line(name: str, one: dict[str, Any]) -> str:
         lo, hi = one["wilson95"]
+        m_lo, m_hi = one["mean_score_t95"]
         return (f"{name:<7} pass@1 {one['pass_at_1']:.3f} ({one['passes']}/{one['n']}), "
-                f"95% Wilson [{lo:.3f}, {hi:.3f}]")  # fmt: skip
+                f"95% Wilson [{lo:.3f}, {hi:.3f}]; mean score {one['mean_score']:.3f}, "
+                f"95% t [{m_lo:.3f}, {m_hi:.3f}]")  # fmt: skip
 
     d, m = r["difference"], r["mcnemar"]
     print(line("before", r["before"]))
@@ -347,6 +470,10 @@ def print_result(r: dict[str, Any]) -> None:
           f"[{d['newcombe95'][0]:+.3f}, {d['newcombe95'][1]:+.3f}]; McNemar: "
           f"{m['pass_after_only']} pass only after, {m['pass_before_only']} only before "
           f"(exact p = {m['exact_p_two_sided']:.3g})")  # fmt: skip
+    sd = r["score_difference"]
+    print(f"mean score after - before (paired, {sd['paired_tasks']} tasks) "
+          f"{sd['mean_after_minus_before']:+.3f}, 95% t [{sd['paired_t95'][0]:+.3f}, "
+          f"{sd['paired_t95'][1]:+.3f}]")  # fmt: skip
     t = r["train"]
     print(f"GRPO: {t['versions_trained']} versions, {t['episodes']} episodes, "
           f"{t['wall_s']:.0f} s")  # fmt: skip

@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,12 +62,13 @@ class Demonstrator:
         seed: int = 0,
         action_format: str = "hermes",
         instruction: str = INSTRUCTION,
-        compute_command: str = COMPUTE_COMMAND,
+        compute_command: str | Callable[[str], str] = COMPUTE_COMMAND,
     ) -> None:
         self.tokenizer = tokenizer
         self.instruction, self.compute_command = instruction, compute_command
         """The task family it knows (another family, e.g. the peer rows of the same sum, gives
-        its own instruction and the command that solves it there)."""
+        its own instruction and the command that solves it there). A callable builds the
+        command from the prompt's text, for a family whose items differ in their question."""
         self.action_format = action_format
         """``hermes``: tool-call JSON; ``bash_block``: one fenced bash block per turn."""
         self.eos_id = int(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
@@ -91,7 +93,10 @@ class Demonstrator:
             k, f = self.episodes, self.compute_fraction
             self.episodes += 1
             compute = math.floor((k + 1) * f) > math.floor(k * f)
-        calls = demonstration(compute=compute, rng=self.rng, compute_command=self.compute_command)
+        command = self.compute_command
+        if callable(command):
+            command = command(text)
+        calls = demonstration(compute=compute, rng=self.rng, compute_command=command)
         name, arguments = calls[min(turn, len(calls) - 1)]
         ids = [*self.tokenizer.encode(self._action(name, arguments)), self.eos_id]
         n = len(ids)

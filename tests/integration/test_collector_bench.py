@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(600)]
 
 
 def test_collector_bench_runs_episodes_and_prints_its_figures(vllm_server, sandbox_image) -> None:

@@ -90,6 +90,7 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.long
 def test_kill_9_leaves_no_server_or_other_child(sandbox_image, tmp_path):
     from sandpiper.collector.inference.lifeline import GRACE_S
 

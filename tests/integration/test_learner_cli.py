@@ -27,6 +27,7 @@ def _learn(config, *extra: str) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
+@pytest.mark.long
 def test_sft_then_grpo_through_the_cli(tmp_path, learner_tiny_model) -> None:
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -98,6 +98,7 @@ def test_one_process_trains_and_registers_versions(reference, learner_tiny_model
     assert reference["metrics"][0]["optimizer_steps"] == 2  # two minibatches
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("stage", [0, 3])
 def test_two_processes_match_one_process(
     tmp_path, learner_tiny_model, groups_pkl, reference, stage

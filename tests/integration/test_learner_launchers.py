@@ -91,6 +91,7 @@ def _launch(tmp: Path, model: Path, groups: bytes, launcher: str) -> dict:
     return load_file(str(Path(latest.checkpoint_uri) / "model.safetensors"))
 
 
+@pytest.mark.long
 def test_deepspeed_and_torchrun_launch_lines_work(tmp_path, learner_tiny_model, groups):
     ds = _launch(tmp_path / "ds", learner_tiny_model, groups, "deepspeed")
     tr = _launch(tmp_path / "tr", learner_tiny_model, groups, "torchrun")

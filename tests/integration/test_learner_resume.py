@@ -135,6 +135,7 @@ def _assert_same_weights(store, reference) -> None:
         torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.long
 def test_kill_9_at_several_points_resumes_exactly(tmp_path, learner_tiny_model, groups_pkl,
                                                   reference):  # fmt: skip
     # A short lease: each restarted learner waits for its killed predecessor's to lapse.

@@ -9,6 +9,7 @@ tables give four decimals.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -16,7 +17,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from learns_bench import compare, mcnemar_exact_p, newcombe_difference, wilson
+from learns_bench import (
+    check_disjoint,
+    compare,
+    mcnemar_exact_p,
+    newcombe_difference,
+    products_command,
+    t_interval,
+    wilson,
+)
+
+from sandpiper.errors import SandpiperError
 
 
 @pytest.mark.parametrize(
@@ -76,3 +87,51 @@ def test_compare_counts_paired_tasks() -> None:
     assert result["mcnemar"]["pass_before_only"] == 1
     lo, hi = result["difference"]["newcombe95"]
     assert lo < 0.25 < hi
+
+
+def test_t_interval_matches_scipy() -> None:
+    stats = pytest.importorskip("scipy.stats")
+    values = [0.0, 1.0, 0.25, 0.5, 1.0, 0.0, 0.125]
+    mean, lo, hi = t_interval(values)
+    expected = stats.ttest_1samp(values, 0.0).confidence_interval(0.95)
+    assert mean == pytest.approx(sum(values) / len(values))
+    assert (lo, hi) == pytest.approx((expected.low, expected.high), abs=1e-12)
+    with pytest.raises(ValueError):
+        t_interval([1.0])
+
+
+def test_compare_keeps_partial_credit() -> None:
+    before = {"a": 0.0, "b": 0.5, "c": 1.0}
+    after = {"a": 1.0, "b": 0.75, "c": 1.0}
+    result = compare(before, after)
+    assert result["before"]["passes"] == 1 and result["after"]["passes"] == 2
+    assert result["before"]["mean_score"] == pytest.approx(0.5)
+    assert result["score_difference"]["mean_after_minus_before"] == pytest.approx(1.25 / 3)
+    assert result["mcnemar"]["pass_after_only"] == 1
+
+
+def test_products_teacher_computes_the_question() -> None:
+    rg = pytest.importorskip("reasoning_gym")
+    item = rg.create_dataset("products", size=3, seed=0)[1]
+    command = products_command(item["question"] + "\n\nWhen you are done, call `submit`.")
+    expression = command.split("print(", 1)[1].split(")", 1)[0]
+    assert str(eval(expression)) == item["answer"]  # the regex admits digits, spaces and * only
+    assert command.endswith("> answer.txt")
+    with pytest.raises(SandpiperError):
+        products_command("What is the sum of the numbers in numbers.txt?")
+
+
+def test_disjoint_by_prompt_refuses_a_shared_question(tmp_path: Path) -> None:
+    def rows(path: Path, items: list[tuple[str, str, str]]) -> Path:
+        lines = [json.dumps({"id": i, "prompt": q, "answer": a}) for i, q, a in items]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    train = rows(tmp_path / "train.jsonl", [("t0", "2 * 6", "12"), ("t1", "1 * 5", "5")])
+    held = rows(tmp_path / "held.jsonl", [("h0", "3 * 4", "12")])
+    check_disjoint(train, held, "prompt")  # a shared answer is fine for products
+    with pytest.raises(SandpiperError, match="answers"):
+        check_disjoint(train, held, "answer")
+    clash = rows(tmp_path / "clash.jsonl", [("h1", "1 * 5", "5")])
+    with pytest.raises(SandpiperError, match="prompts"):
+        check_disjoint(train, clash, "prompt")

