@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import typer
 
 from sandpiper.commands._common import ConfigOption, cli_errors, command, resolve_config
 from sandpiper.commands._preflight import check_podman
-from sandpiper.errors import SandpiperError
+from sandpiper.errors import SandpiperError, SetupError
 
 
 def register(app: typer.Typer) -> None:
@@ -124,6 +126,111 @@ def register(app: typer.Typer) -> None:
             )
         verb = "would remove" if dry_run else "removed"
         typer.echo(f"{verb} {len(removed)} container(s)" + "".join(f"\n  {n}" for n in removed))
+
+    @command(sandbox_app, "mcp")
+    def mcp(
+        ctx: typer.Context,
+        tasks: str = typer.Argument(
+            ..., help="Task source: a JSONL file, a task folder or a folder of them."
+        ),
+        task_id: str | None = typer.Option(
+            None, "--task-id", "-t", help="The task to serve (needed when TASKS holds several)."
+        ),
+        http: str | None = typer.Option(
+            None,
+            "--http",
+            metavar="HOST:PORT",
+            help="Serve streamable HTTP at http://HOST:PORT/mcp (PORT 0: any free port) "
+            "instead of stdio.",
+        ),
+        config: ConfigOption = None,
+    ) -> None:
+        """Serve one task's sandbox tools (execute_bash, str_replace_editor, submit) over MCP.
+
+        Starts a podman sandbox for the task (its files and setup.sh, as an episode gets
+        them), then serves the native tools with their native limits over the Model
+        Context Protocol: on stdio by default (stdout is the protocol; logs go to stderr),
+        or streamable HTTP with --http. `submit` runs the task's tests and reward and
+        answers with the reward; the episode is then over. The container is removed when
+        stdin ends (stdio), or on SIGINT / SIGTERM. See docs/gateway.md."""
+        import asyncio
+        import signal
+
+        from sandpiper.collector.gateway.mcp_server import serve_task
+
+        cfg = resolve_config(config, ctx)
+        with cli_errors():
+            address = _host_port(http) if http is not None else None
+            task = _one_task(tasks, task_id)
+            check_podman(task.image or cfg.sandbox.image)
+
+            async def main():  # -> Submission | None
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, stop.set)
+                submission = await serve_task(
+                    cfg.sandbox, task, test_timeout_s=cfg.collector.test_timeout_s,
+                    http=address, labels={"sandpiper.run": cfg.name}, stop=stop,
+                    offered=cfg.collector.tools, descriptions=cfg.collector.tool_descriptions,
+                )  # fmt: skip
+                _report(task.task_id, submission)
+                if stop.is_set() and http is None:
+                    # stdio's reader thread may still block on stdin, and asyncio.run
+                    # would wait for it: the sandbox is gone, nothing is left to do
+                    _exit_now()
+
+            asyncio.run(main())
+
+
+def _report(task_id: str, submission) -> None:
+    """The episode's end on stderr (stdout may be the MCP transport)."""
+    done = f"submitted, reward {submission.reward}" if submission else "not submitted"
+    typer.secho(f"task {task_id}: {done}", err=True)
+
+
+def _exit_now() -> NoReturn:
+    """Exit at once, after flushing the logs and the standard streams."""
+    import contextlib
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+def _host_port(value: str):
+    """``HOST:PORT`` of ``--http`` (``[::1]:8000`` for IPv6)."""
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise SetupError(f"--http {value!r}: give HOST:PORT, e.g. 127.0.0.1:8765 (0: any port)")
+    return host, int(port)
+
+
+def _one_task(source: str, task_id: str | None):
+    """The task ``task_id`` of ``source`` (its only task when None)."""
+    from sandpiper.collector.tasks.loading import load_tasks
+    from sandpiper.commands._preflight import SOURCE_HINT, check_tasks
+
+    check_tasks(source, field="TASKS", hint=SOURCE_HINT)
+    tasks = load_tasks(source)
+    if task_id is None:
+        if len(tasks) == 1:
+            return tasks[0]
+        raise SetupError(
+            f"TASKS {source!r} holds {len(tasks)} tasks: pick one with --task-id "
+            f"({', '.join(t.task_id for t in tasks[:5])}{', ...' if len(tasks) > 5 else ''})"
+        )
+    for task in tasks:
+        if task.task_id == task_id:
+            return task
+    shown = ", ".join(t.task_id for t in tasks[:5]) + (", ..." if len(tasks) > 5 else "")
+    raise SetupError(f"--task-id {task_id!r}: no such task in {source!r} (it has {shown})")
 
 
 def _open_store(cfg):
