@@ -199,6 +199,7 @@ async def serve_task(
     )
     pool = SandboxPool(config, labels=labels)
     tools: EpisodeTools | None = None
+    guard: asyncio.subprocess.Process | None = None
     try:
         if not (await _until(stop, pool.start()))[0]:
             return None
@@ -206,6 +207,7 @@ async def serve_task(
         if not done:
             return None
         log.info("sandbox %s started for task %s", box.id, task.task_id)
+        guard = await start_guard(["podman", "rm", "-f", "-t", "0", "--ignore", box.id])
         task.check()
         await prepare_sandbox(box, task)
         toolbox = default_toolbox_factory(
@@ -219,6 +221,33 @@ async def serve_task(
         begun = time.perf_counter()
         await pool.close()  # removes every container of this pool, idle or in use
         log.info("sandbox removed (%.1f s)", time.perf_counter() - begun)
+        if guard is not None:  # nothing left to guard: it exits without a podman call
+            guard.kill()
+            await guard.wait()
+
+
+GUARD = (
+    "import subprocess, sys\n"
+    "if sys.stdin.buffer.read() == b'':\n"  # end of file: the server died, however
+    "    subprocess.run(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,"
+    " stderr=subprocess.DEVNULL)\n"
+)
+"""The guard's program: wait for its stdin's end, then run its arguments."""
+
+
+async def start_guard(argv: list[str]) -> asyncio.subprocess.Process:
+    """A process that runs ``argv`` (the container's removal) once this one dies, however it
+    dies: ``kill -9`` included, which skips every ``finally``. It waits on a pipe whose write
+    end only this process holds (not inherited: close-on-exec), in a session of its own, so
+    the process-group signal an MCP client sends its server (the SDK's stdio client: SIGTERM,
+    then SIGKILL, to the group) does not reach it. Killed on a normal exit."""
+    import sys
+
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-c", GUARD, *argv,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
 
 
 async def _until(stop: asyncio.Event, coro: Any) -> tuple[bool, Any]:

@@ -115,3 +115,24 @@ def test_command_argument_errors() -> None:
         _one_task(str(DEMO), "nope")
     only = REPO / "tasks" / "folders" / "write-hello"
     assert _one_task(str(only), None).task_id == "write-hello"
+
+
+def test_the_guard_runs_its_command_once_its_owner_dies_and_never_when_killed(
+    tmp_path: Path,
+) -> None:
+    """The container's removal outlives a ``kill -9`` of the server (the pipe's end), and a
+    normal exit (the guard killed) runs nothing."""
+    from sandpiper.collector.gateway.mcp_server import start_guard
+
+    async def scenario() -> None:
+        died = await start_guard(["touch", str(tmp_path / "removed")])
+        assert died.stdin is not None
+        died.stdin.close()  # what the kernel does when the server dies
+        await asyncio.wait_for(died.wait(), 30)
+        kept = await start_guard(["touch", str(tmp_path / "kept")])
+        kept.kill()
+        await kept.wait()
+
+    asyncio.run(scenario())
+    assert (tmp_path / "removed").exists()
+    assert not (tmp_path / "kept").exists()
