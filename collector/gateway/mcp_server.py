@@ -30,6 +30,7 @@ import mcp_types as types
 from mcp.server import Server
 
 from sandpiper.collector.episode.loop import ToolRunner, finish_episode, prepare_sandbox
+from sandpiper.collector.episode.parsers import checked_call
 from sandpiper.collector.episode.tools.base import ToolResult
 from sandpiper.collector.episode.tools.schemas import TOOL_SCHEMAS, offered_schemas
 from sandpiper.collector.sandbox.base import ToolSandbox
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 SERVER_NAME = "sandpiper-sandbox"
 MCP_PATH = "/mcp"
 """The streamable-HTTP endpoint's path (the SDK's default)."""
+DEFAULT_MAX_ARGUMENT_BYTES = 65_536
+"""``collector.max_argument_bytes``' default."""
 TOOL_NAMES = tuple(s["function"]["name"] for s in TOOL_SCHEMAS)
 STOP_GRACE_S = 1.0
 """After a signal: how long the transport may take to stop before the sandbox is removed."""
@@ -71,8 +74,11 @@ class EpisodeTools:
         *,
         offered: Sequence[str] = TOOL_NAMES,
         descriptions: str = "full",
+        max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
     ) -> None:
         self.task, self.sandbox, self.toolbox = task, sandbox, toolbox
+        self.max_argument_bytes = max_argument_bytes
+        """``collector.max_argument_bytes``: larger calls are refused, as native ones are."""
         self.schemas = offered_schemas(offered, descriptions)
         """What a native episode offers (``collector.tools``, ``collector.tool_descriptions``)."""
         self.episode_id = uuid.uuid4().hex
@@ -100,7 +106,10 @@ class EpisodeTools:
             if name not in offered:  # as the native loop answers a tool it did not offer
                 return _text(f"Error: unknown tool {name!r}; available: {', '.join(offered)}",
                              error=True)  # fmt: skip
-            result = await self.toolbox.call(name, arguments or {})
+            call = checked_call(name, arguments or {}, self.max_argument_bytes)
+            if not call.ok or call.arguments is None:  # too large, too deep, not Unicode
+                return _text(call.error or "Error: the arguments cannot be used.", error=True)
+            result = await self.toolbox.call(name, call.arguments)
             if not result.submitted:
                 return _text(result.output, error=result.error_kind is not ToolErrorKind.NONE)
             self.submission = await self._score(result)
@@ -187,6 +196,7 @@ async def serve_task(
     stop: asyncio.Event,
     offered: Sequence[str] = TOOL_NAMES,
     descriptions: str = "full",
+    max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
 ) -> Submission | None:
     """Start a sandbox for ``task``, prepare it, serve its tools (stdio, or streamable HTTP
     on ``http``) until the transport ends (stdin's end) or ``stop`` is set (a signal), then
@@ -213,7 +223,8 @@ async def serve_task(
         toolbox = default_toolbox_factory(
             exec_timeout_s=config.exec_timeout_s, test_timeout_s=test_timeout_s
         )(box, task)
-        tools = EpisodeTools(task, box, toolbox, offered=offered, descriptions=descriptions)
+        tools = EpisodeTools(task, box, toolbox, offered=offered, descriptions=descriptions,
+                             max_argument_bytes=max_argument_bytes)  # fmt: skip
         server = build_server(tools)
         await _until(stop, serve_http(server, *http) if http else serve_stdio(server))
         return tools.submission

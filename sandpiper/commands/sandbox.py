@@ -173,6 +173,7 @@ def register(app: typer.Typer) -> None:
                     cfg.sandbox, task, test_timeout_s=cfg.collector.test_timeout_s,
                     http=address, labels={"sandpiper.run": cfg.name}, stop=stop,
                     offered=cfg.collector.tools, descriptions=cfg.collector.tool_descriptions,
+                    max_argument_bytes=cfg.collector.max_argument_bytes,
                 )  # fmt: skip
                 _report(task.task_id, submission)
                 if stop.is_set() and http is None:

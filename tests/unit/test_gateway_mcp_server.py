@@ -67,12 +67,14 @@ def test_calls_reach_the_toolbox_and_errors_are_flagged() -> None:
             ("execute_bash", {"command": "ls /workspace"}),
             ("no_such_tool", {}),
             ("execute_bash", {"command": 3}),
+            ("execute_bash", {"command": "x" * 70_000}),
         ])
     )  # fmt: skip
-    ran, unknown, bad = results
+    ran, unknown, bad, huge = results
     assert (_text(ran), ran.is_error) == ("ran: ls /workspace", False)
     assert unknown.is_error and "unknown tool 'no_such_tool'" in _text(unknown)
     assert bad.is_error and "must be a string" in _text(bad)
+    assert huge.is_error and "65536" in _text(huge)  # collector.max_argument_bytes, as native
 
 
 @pytest.mark.parametrize(("answer", "reward"), [("4", 1.0), ("5", 0.0)])
