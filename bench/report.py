@@ -176,8 +176,11 @@ def commit() -> str | None:
     return head.stdout.strip() + ("+uncommitted changes" if dirty else "")
 
 
-def append(bench: Path, log: Path, load_start: float | None, results: Path = RESULTS) -> int:
-    """Record the figures of one run; returns how many were recorded."""
+def append(
+    bench: Path, log: Path, load_start: float | None, results: Path = RESULTS, args: str = ""
+) -> int:
+    """Record the figures of one run of ``bench`` with arguments ``args`` (its declared keys
+    for those arguments); returns how many were recorded."""
     figures = last_json(log)
     path = results / f"{bench.stem}.json"
     data: dict[str, Any] = (
@@ -185,8 +188,11 @@ def append(bench: Path, log: Path, load_start: float | None, results: Path = RES
         if path.exists()
         else {"bench": f"bench/{bench.name}", "keys": [], "records": []}
     )
-    declared = {e["key"]: e for e in data["keys"] if e["args"] == ""}
-    wanted = declared or {k: None for k, v in figures.items() if isinstance(v, int | float)}
+    declared = {e["key"]: e for e in data["keys"] if e["args"] == args}
+    if data["keys"]:  # a bench that declares keys: only those of this invocation
+        wanted: dict[str, Any] = declared
+    else:
+        wanted = {k: None for k, v in figures.items() if isinstance(v, int | float)}
     common = {
         "commit": commit(),
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%MZ"),
@@ -199,7 +205,9 @@ def append(bench: Path, log: Path, load_start: float | None, results: Path = RES
         value = figures.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             goal = entry["goal"] if entry else None
-            data["records"].append({"key": key, "args": "", "value": value, "goal": goal} | common)
+            data["records"].append(
+                {"key": key, "args": args, "value": value, "goal": goal} | common
+            )
             added += 1
     path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     return added
@@ -211,11 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-readme", type=Path, metavar="README", help="Rewrite its table.")
     parser.add_argument("--append", nargs=2, type=Path, metavar=("BENCH", "LOG"))
     parser.add_argument("--load-start", type=float, help="Load average when the run started.")
+    parser.add_argument(
+        "--args",
+        default="",
+        help="The bench's arguments in that run "
+        "(its keys declared for them are recorded; default: none)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.append:
             bench, log = args.append
-            n = append(bench, log, args.load_start)
+            n = append(bench, log, args.load_start, args=args.args)
             print(f"{bench.name}: {n} figures recorded in bench/{RESULTS.name}/")
         if args.write_readme:
             write_readme(args.write_readme)

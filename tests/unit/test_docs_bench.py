@@ -88,6 +88,19 @@ def test_append_records_the_declared_figures_of_a_run(tmp_path: Path) -> None:
     assert rows[1][3] == "not measured yet"
 
 
+def test_append_with_args_records_the_keys_declared_for_them(tmp_path: Path) -> None:
+    results = _results(tmp_path)
+    log = tmp_path / "x.log"
+    log.write_text('{"speedup": 3.0}\n')
+    assert report.append(Path("bench/x_bench.py"), log, None, results, args="--big") == 1
+    assert report.append(Path("bench/x_bench.py"), log, None, results, args="--none") == 0
+    data = json.loads((results / "x_bench.json").read_text())
+    (record,) = data["records"]
+    assert record["args"] == "--big" and record["value"] == 3.0
+    rows = report.rows({"x_bench": data})
+    assert rows[0][3] == "not measured yet" and rows[1][3] == "3×: met"
+
+
 def test_a_new_bench_records_every_numeric_figure(tmp_path: Path) -> None:
     results = tmp_path / "results"
     results.mkdir()
