@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{state['warm_start']['teacher_episodes']})")  # fmt: skip
     grpo_cfg = base_config(root, "grpo", train_dir, start)
     if "before" not in state:
-        log(f"held-out pass@1 before: {args.heldout_tasks} tasks")
+        log(f"held-out pass@1 before: {len(task_ids(heldout))} tasks")
         state["before"] = evaluate(grpo_cfg, start, heldout, root / "eval-before", "before")
         save()
     before_scores = state["before"]["per_task"].values()
