@@ -112,7 +112,29 @@ class SandboxConfig(_Part):
     tmp_size_mb: int = Field(default=64, ge=1)
     """Size of the tmpfs mounted at ``/tmp`` (the only other writable place; wiped on reset)."""
     catatonit_path: str = "/usr/bin/catatonit"
-    """Host's static catatonit, bind-mounted as the container init (survives ``kill -9 -1``)."""
+    """Host's static catatonit, bind-mounted as the container init (survives ``kill -9 -1``).
+    Under ``host_state_dir`` this is read here and a copy in that folder is mounted."""
+    host_state_dir: str | None = None
+    """A folder at this same path here and on the machine whose podman runs the sandboxes:
+    set it when the collector runs in a container and drives the host's podman through its
+    socket (compose.yaml), since podman resolves bind sources on ITS machine. Everything the
+    collector hands podman as a bind source lives under it (the supervisor's copy, each
+    shell's socket folder, a copy of catatonit), and so does what every collector driving
+    that podman must share (the uid-range locks, the cached sandbox check); per-sandbox
+    cgroup weights are then left to podman (the host's cgroup tree is not visible here).
+    None = this machine's own folders: ``~/.cache/sandpiper``, ``$TMPDIR/sandpiper-sockets``,
+    ``/run/lock/sandpiper-uids``."""
+
+    @field_validator("host_state_dir")
+    @classmethod
+    def _short_absolute(cls, path: str | None) -> str | None:
+        if path is not None and not (path.startswith("/") and len(path.encode()) <= 60):
+            raise ValueError(
+                "an absolute path of at most 60 bytes (a shell's socket, <dir>/sockets/"
+                "sandpiper-<12 hex>/s, must fit in the 107 bytes of a Unix socket address)"
+            )
+        return path
+
     uid_slots: int = Field(default=1024, ge=1)
     """Number of distinct 65536-uid ranges (from ``uid_base``) registered for containers."""
     selfcheck: bool = True

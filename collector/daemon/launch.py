@@ -125,7 +125,9 @@ async def collect(
             return CollectorMetrics()
         await asyncio.to_thread(adopt_orphan_spools, store, writer.spool)
         await asyncio.to_thread(retire_predecessor, store, writer.spool, collector_id)
-        removed = await janitor.gc(store, ttl_s=cc.heartbeat_ttl_s)
+        removed = await janitor.gc(
+            store, ttl_s=cc.heartbeat_ttl_s, state_dir=config.sandbox.host_state_dir
+        )
         if removed:
             log.info("removed %d containers left by dead collectors", len(removed))
         servers: list = []

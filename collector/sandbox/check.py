@@ -39,6 +39,7 @@ from sandpiper.errors import SandboxError, SandboxLimitsNotEnforced
 
 log = logging.getLogger(__name__)
 CACHE_DIR = Path.home() / ".cache" / "sandpiper"
+"""Where passing checks are cached without a ``sandbox.host_state_dir`` (:func:`cache_dir`)."""
 CHECK_DEADLINE_S = 600.0
 """A check run stops after this long (all checks take 10-20 s); its container is labelled to
 expire then, so the janitor removes it if the check was killed (``janitor.judge``)."""
@@ -287,7 +288,7 @@ async def _socket_unreachable(box: PodmanSandbox, config: SandboxConfig) -> Chec
     from sandpiper.collector.sandbox.host_state import SOCKET_DIR, socket_dir
 
     r = await box.exec(f"ls -A {SOCKET_DIR} >/dev/null 2>&1 && echo listed || echo refused")
-    left = sorted(p.name for p in socket_dir(box.name).iterdir())
+    left = sorted(p.name for p in socket_dir(box.name, config.host_state_dir).iterdir())
     passed = r.stdout.strip() == "refused" and not left
     return CheckResult("supervisor_socket_closed", passed, f"agent: {r.stdout.strip()}; {left}")
 
@@ -391,6 +392,14 @@ async def run_checks(config: SandboxConfig) -> list[CheckResult]:
     return results
 
 
+def cache_dir(config: SandboxConfig) -> Path:
+    """Where passing checks are cached: a property of the podman host, so under a
+    ``sandbox.host_state_dir`` every collector container of that host shares them."""
+    if config.host_state_dir is not None:
+        return Path(config.host_state_dir) / "checks"
+    return CACHE_DIR
+
+
 async def _cache_key(config: SandboxConfig) -> str:
     image_id = (await run_podman("image", "inspect", "--format", "{{.Id}}", config.image)).strip()
     version = (await run_podman("version", "--format", "{{.Client.Version}}")).strip()
@@ -414,7 +423,7 @@ async def ensure_limits_enforced(config: SandboxConfig) -> list[CheckResult]:
     """Run (or reuse cached) checks; raise :class:`SandboxLimitsNotEnforced` on a failure."""
     if not config.selfcheck:
         return []
-    cache = CACHE_DIR / f"sandbox-check-{await _cache_key(config)}.json"
+    cache = cache_dir(config) / f"sandbox-check-{await _cache_key(config)}.json"
     if cache.exists():
         return [CheckResult(**r) for r in json.loads(cache.read_text())]
     results = await run_checks(config)
@@ -433,8 +442,8 @@ async def ensure_limits_enforced(config: SandboxConfig) -> list[CheckResult]:
 async def save_passing(config: SandboxConfig, results: list[CheckResult]) -> None:
     """Cache an all-passing result so pools on this host skip the checks."""
     if results and all(r.passed for r in results):
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        cache = CACHE_DIR / f"sandbox-check-{await _cache_key(config)}.json"
+        cache_dir(config).mkdir(parents=True, exist_ok=True)
+        cache = cache_dir(config) / f"sandbox-check-{await _cache_key(config)}.json"
         cache.write_text(json.dumps([asdict(r) for r in results]))
 
 

@@ -93,8 +93,8 @@ class PodmanSandbox:
             all_labels["sandpiper.uid_base"] = str(uid_base)
         box = cls(config, name, all_labels)
         try:
-            host_state.make_socket_dir(name, uid_base)
-            host_state.make_cgroup_parent(name, uid_base)
+            host_state.make_socket_dir(name, uid_base, config.host_state_dir)
+            host_state.make_cgroup_parent(name, uid_base, config.host_state_dir)
             argv = container_argv(config, name=name, labels=all_labels, uid_base=uid_base)
             run = asyncio.ensure_future(run_podman(*argv))
             try:
@@ -124,7 +124,7 @@ class PodmanSandbox:
         self._dead = True
         await self._kill_shell()
         try:
-            await remove_containers_by_name([self.name])
+            await remove_containers_by_name([self.name], state_dir=self.config.host_state_dir)
         except SandboxError as e:  # `sandpiper sandbox gc` will find it (collector label)
             log.warning("could not remove %s: %s", self.name, e)
 
@@ -152,7 +152,8 @@ class PodmanSandbox:
         try:
             self._reader, self._writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(
-                    str(host_state.socket_dir(self.name) / SOCKET_NAME), limit=1 << 20
+                    str(host_state.socket_dir(self.name, self.config.host_state_dir) / SOCKET_NAME),
+                    limit=1 << 20,
                 ),
                 START_TIMEOUT_S,
             )

@@ -76,11 +76,13 @@ async def run_podman(*args: str, stdin: bytes | None = None, timeout_s: float = 
     return out
 
 
-async def remove_containers_by_name(names: list[str], attempts: int = 4) -> None:
+async def remove_containers_by_name(
+    names: list[str], *, state_dir: str | None, attempts: int = 4
+) -> None:
     """``podman rm -f``, retried (on podman 4.3 a removal racing another podman call can
     fail with "unlinkat …/userdata/shm: device or resource busy"), then what the host kept
-    for each container (:func:`.host_state.forget`) and its registry entry. Every removal
-    goes through here."""
+    for each container (:func:`.host_state.forget`; ``state_dir`` is
+    ``sandbox.host_state_dir``) and its registry entry. Every removal goes through here."""
     for attempt in range(attempts):
         try:
             await run_podman("rm", "-f", "-t", "0", "--ignore", *names)
@@ -89,7 +91,7 @@ async def remove_containers_by_name(names: list[str], attempts: int = 4) -> None
             if attempt == attempts - 1:
                 raise
             await asyncio.sleep(0.2 * 2**attempt)
-    await asyncio.gather(*(host_state.forget(name) for name in names))
+    await asyncio.gather(*(host_state.forget(name, state_dir) for name in names))
     for name in names:
         remove_registry(name)
 
@@ -100,12 +102,12 @@ async def _reap(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
-async def sweep_stale_host_state() -> int:
+async def sweep_stale_host_state(state_dir: str | None) -> int:
     """Remove the cgroup and socket folders (:mod:`.host_state`) and the registry entries of
     containers podman no longer has (removed by ``sandbox gc``, their collector killed, or
     their conmon outlived the removal); returns how many containers' folders went."""
     registered = _registered_names()
-    if not host_state.names_on_host() and not registered:
+    if not host_state.names_on_host(state_dir) and not registered:
         return 0
     known = set((await run_podman("ps", "-a", "--format", "{{.Names}}")).decode().split())
     min_age_s = 2 * START_TIMEOUT_S  # another collector on this host may be making one
@@ -113,7 +115,7 @@ async def sweep_stale_host_state() -> int:
         with contextlib.suppress(OSError):
             if (REGISTRY_DIR / f"{name}.json").stat().st_mtime < time.time() - min_age_s:
                 remove_registry(name)
-    return host_state.sweep(known, min_age_s=min_age_s)
+    return host_state.sweep(known, min_age_s=min_age_s, state_dir=state_dir)
 
 
 def _registered_names() -> set[str]:
@@ -162,12 +164,13 @@ async def list_containers(filters: Mapping[str, str] | None = None) -> list[Cont
     ]
 
 
-async def remove_containers(filters: Mapping[str, str]) -> list[str]:
+async def remove_containers(filters: Mapping[str, str], *, state_dir: str | None) -> list[str]:
     """Remove every sandbox container matching ``filters``, and what the host kept for each
-    (socket and cgroup folders); returns their names."""
+    (socket and cgroup folders, under ``state_dir``: ``sandbox.host_state_dir``); returns
+    their names."""
     names = [c.name for c in await list_containers(filters)]
     if names:
-        await remove_containers_by_name(names)
+        await remove_containers_by_name(names, state_dir=state_dir)
     return names
 
 

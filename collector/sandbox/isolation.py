@@ -2,6 +2,10 @@
 isolation in one place, checked by ``sandpiper sandbox check``) and what is mounted into
 every container: catatonit as init, and the supervisor's folder (:func:`mounted_files`).
 
+Every bind source is a path on the machine whose podman runs the container; under
+``sandbox.host_state_dir`` (a collector in a container driving the host's podman) all of them
+are copies in that folder, which has the same path on both sides (:func:`files_root`).
+
 The supervisor holds only :data:`SUPERVISOR_CAPS` and runs the agent's commands as an
 unprivileged uid with none of them (see ``supervisor/privileges.py``); no network, a
 read-only root, size-capped tmpfs mounts, memory, CPU, pids and SysV IPC limits, and no
@@ -28,7 +32,8 @@ SUPERVISOR_DIR = "/.sandpiper/supervisor"
 SUPERVISOR_MAIN = f"{SUPERVISOR_DIR}/__main__.py"
 """What ``python3 -I`` runs to start the supervisor (see ``supervisor/__main__.py``)."""
 MOUNTED_FILES_ROOT = Path.home() / ".cache" / "sandpiper" / "sandbox-files"
-"""Where :func:`mounted_files` keeps the copies that are bind-mounted into sandboxes."""
+"""Where :func:`mounted_files` keeps the copies that are bind-mounted into sandboxes
+(without a ``sandbox.host_state_dir``; see :func:`files_root`)."""
 SUPERVISOR_CAPS = "CHOWN,DAC_OVERRIDE,FOWNER,KILL,SETUID,SETGID,SETPCAP"
 """Held by the supervisor (container root, an unprivileged host uid) only: it runs the
 agent's commands as an unprivileged uid with none of them (see ``supervisor/privileges.py``)."""
@@ -57,8 +62,50 @@ def content_digest(files: Mapping[str, bytes]) -> str:
     return digest.hexdigest()[:16]
 
 
-def mounted_files() -> dict[str, Path]:
-    """Host paths to bind-mount, by their path in the sandbox: the supervisor's folder.
+def files_root(config: SandboxConfig) -> Path:
+    """Where the bind-mounted copies live: ``<host_state_dir>/sandbox-files``, or
+    :data:`MOUNTED_FILES_ROOT` on the podman host itself."""
+    if config.host_state_dir is not None:
+        return Path(config.host_state_dir) / "sandbox-files"
+    return MOUNTED_FILES_ROOT
+
+
+def _install(folder: Path, name: str, data: bytes, mode: int) -> Path:
+    """``folder/name`` holding ``data`` with ``mode``, written by temp file and rename when
+    missing or different (several collectors may install the same copy at once)."""
+    path = folder / name
+    try:
+        same = path.read_bytes() == data and (path.stat().st_mode & 0o777) == mode
+    except OSError:
+        same = False
+    if not same:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    return path
+
+
+def _private_folder(root: Path, digest: str) -> Path:
+    folder = root / digest
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return folder
+
+
+def catatonit_source(config: SandboxConfig) -> str:
+    """The bind source of the container's init: ``catatonit_path`` itself on the podman
+    host, else a copy of it (read here) in ``<files_root>/<its hash>/catatonit``."""
+    if config.host_state_dir is None:
+        return os.path.abspath(config.catatonit_path)  # podman's working folder is elsewhere
+    data = Path(config.catatonit_path).read_bytes()
+    folder = _private_folder(files_root(config), content_digest({"catatonit": data}))
+    return str(_install(folder, "catatonit", data, 0o755))
+
+
+def mounted_files(root: Path | None = None) -> dict[str, Path]:
+    """Host paths to bind-mount, by their path in the sandbox: the supervisor's folder, in
+    ``root`` (:func:`files_root`; None = :data:`MOUNTED_FILES_ROOT`).
 
     A copy of the checkout's folder in ``<MOUNTED_FILES_ROOT>/<content hash>/supervisor/``,
     not the checkout's own: a bind mount's source path is visible inside the container
@@ -70,23 +117,12 @@ def mounted_files() -> dict[str, Path]:
     file is written by temp file and rename, and checked on every call (a copy that differs
     is replaced)."""
     files = supervisor_files()
-    folder = MOUNTED_FILES_ROOT / content_digest(files)
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
+    folder = _private_folder(MOUNTED_FILES_ROOT if root is None else root, content_digest(files))
     copy = folder / SUPERVISOR_HOST_DIR.name
     copy.mkdir(mode=0o755, exist_ok=True)
     os.chmod(copy, 0o755)
     for name, data in files.items():
-        path = copy / name
-        try:
-            same = path.read_bytes() == data
-        except OSError:
-            same = False
-        if not same:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
+        _install(copy, name, data, 0o644)
     return {SUPERVISOR_DIR: copy}
 
 
@@ -100,7 +136,8 @@ def container_argv(
     if uid_base is not None:
         span = f"0:{uid_base}:{UIDMAP_SIZE}"
         argv += ["--uidmap", span, "--gidmap", span]
-    if (parent := host_state.cgroup_parent(name, uid_base)) is not None:
+    state_dir = config.host_state_dir
+    if (parent := host_state.cgroup_parent(name, uid_base, state_dir)) is not None:
         argv += ["--cgroup-parent", parent]
     workspace_opts = f"rw,size={config.workspace_size_mb}m,mode=1777,exec,nosuid,nodev"
     argv += [
@@ -134,14 +171,14 @@ def container_argv(
         f"--cpus={config.cpus}",
         f"--pids-limit={config.pids_limit}",
         "--volume",
-        f"{os.path.abspath(config.catatonit_path)}:{CATATONIT}:ro",  # podman runs elsewhere
+        f"{catatonit_source(config)}:{CATATONIT}:ro",
         *[
             arg
-            for inside, host in mounted_files().items()
+            for inside, host in mounted_files(files_root(config)).items()
             for arg in ("--volume", f"{host}:{inside}:ro")
         ],
         "--volume",  # the shell's socket (see supervisor/server.py: listen)
-        f"{host_state.socket_dir(name)}:{SOCKET_DIR}:rw",
+        f"{host_state.socket_dir(name, state_dir)}:{SOCKET_DIR}:rw",
         "--entrypoint",
         json.dumps([CATATONIT, "-P"]),
         config.image,

@@ -104,12 +104,14 @@ async def gc(
     *,
     ttl_s: float,
     grace_s: float = GRACE_S,
+    state_dir: str | None,
     filters: Mapping[str, str] | None = None,
     dry_run: bool = False,
 ) -> list[str]:
-    """Remove the containers of collectors that are gone (by ``store``'s heartbeats)."""
+    """Remove the containers of collectors that are gone (by ``store``'s heartbeats), and
+    what the host kept for each under ``state_dir`` (``sandbox.host_state_dir``)."""
     judged = await verdicts(store, ttl_s=ttl_s, grace_s=grace_s, filters=filters)
     orphans = [c.name for c, v in judged if v.orphan]
     if orphans and not dry_run:
-        await remove_containers_by_name(orphans)  # registry entries too
+        await remove_containers_by_name(orphans, state_dir=state_dir)  # registry entries too
     return orphans

@@ -78,7 +78,7 @@ class SandboxPool:
 
         self._uids = UidSlots.for_host(self.config)
         await ensure_limits_enforced(self.config)
-        await sweep_stale_host_state()
+        await sweep_stale_host_state(self.config.host_state_dir)
         REGISTRY_DIR.mkdir(parents=True, exist_ok=True)
         for _ in range(self.config.pool_size):
             self._spawn_start()
@@ -206,4 +206,6 @@ class SandboxPool:
         await asyncio.gather(*(self._discard(b) for b in boxes), return_exceptions=True)
         # a start or a reset cancelled mid-way may have left a container: remove by this
         # pool's label, and what the host kept for it
-        await remove_containers({"sandpiper.pool": self.labels["sandpiper.pool"]})
+        await remove_containers(
+            {"sandpiper.pool": self.labels["sandpiper.pool"]}, state_dir=self.config.host_state_dir
+        )

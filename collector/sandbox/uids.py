@@ -7,6 +7,11 @@ several collectors on one host never share a range, and a crashed collector's sl
 when its process dies. The whole span is registered for ``root`` in /etc/subuid and
 /etc/subgid (idempotently), so other tools see it as taken.
 
+The locks must be shared by every collector driving the same podman: under
+``sandbox.host_state_dir`` (collectors in containers, each with its own ``/run``) they live in
+that folder. The subid registration is then written into the collector's own /etc, where no
+other tool of the host reads it (root podman's explicit ``--uidmap`` does not need it).
+
 Rootless podman (not root, or ``rootless = "always"``) maps uids itself: no slots.
 """
 
@@ -20,7 +25,8 @@ from sandpiper.config import SandboxConfig
 from sandpiper.errors import SandboxError
 
 UIDMAP_SIZE = 65536
-LOCK_DIR = Path("/run/lock/sandpiper-uids") if os.geteuid() == 0 else None
+LOCK_DIR = Path("/run/lock/sandpiper-uids")
+"""Where the slots' lock files live without a ``sandbox.host_state_dir`` (:func:`lock_dir`)."""
 
 
 def uses_uidmap(config: SandboxConfig) -> bool:
@@ -39,6 +45,13 @@ def register_subid_range(config: SandboxConfig, files=("/etc/subuid", "/etc/subg
                 f.write(("" if not text or text.endswith("\n") else "\n") + line + "\n")
 
 
+def lock_dir(config: SandboxConfig) -> Path:
+    """The folder of the slots' lock files that every collector of this podman host sees."""
+    if config.host_state_dir is not None:
+        return Path(config.host_state_dir) / "uid-locks"
+    return LOCK_DIR
+
+
 class UidSlots:
     """Allocator of uid-range slots; ``base(slot)`` is the first host uid of a slot."""
 
@@ -52,9 +65,9 @@ class UidSlots:
         if not uses_uidmap(config):
             return cls(config, None)
         register_subid_range(config)
-        assert LOCK_DIR is not None
-        LOCK_DIR.mkdir(parents=True, exist_ok=True)
-        return cls(config, LOCK_DIR)
+        locks = lock_dir(config)
+        locks.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return cls(config, locks)
 
     def acquire(self) -> int:
         if self.lock_dir is None:

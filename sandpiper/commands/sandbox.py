@@ -122,7 +122,13 @@ def register(app: typer.Typer) -> None:
                     "removed nothing; pass the run's config (-c run.toml) or --store.url URL"
                 ) from None
             removed = asyncio.run(
-                run_gc(store, ttl_s=cfg.collector.heartbeat_ttl_s, grace_s=grace_s, dry_run=dry_run)
+                run_gc(
+                    store,
+                    ttl_s=cfg.collector.heartbeat_ttl_s,
+                    grace_s=grace_s,
+                    state_dir=cfg.sandbox.host_state_dir,
+                    dry_run=dry_run,
+                )
             )
         verb = "would remove" if dry_run else "removed"
         typer.echo(f"{verb} {len(removed)} container(s)" + "".join(f"\n  {n}" for n in removed))

@@ -156,7 +156,7 @@ def test_kill_9_leaves_no_server_or_other_child(sandbox_image, tmp_path):
         for pid in left:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        asyncio.run(remove_containers({"sandpiper.run": "it-kill9"}))
+        asyncio.run(remove_containers({"sandpiper.run": "it-kill9"}, state_dir=None))
 
 
 HOLD_LOCK = textwrap.dedent(
@@ -245,7 +245,7 @@ def test_sigterm_with_the_store_locked_stops_within_the_drain_timeout(
             proc.kill()
         if holder is not None:
             holder.communicate(timeout=30)  # closing its stdin releases the lock
-        asyncio.run(remove_containers({"sandpiper.run": "it-locked"}))
+        asyncio.run(remove_containers({"sandpiper.run": "it-locked"}, state_dir=None))
     # with the lock free, the spool commits: nothing acknowledged was lost
     before = set(store.group_ids("it-locked"))
     with store.writer(spool_dir=str(own_spool), flush_interval_s=0.1) as writer:

@@ -192,7 +192,7 @@ def test_busy_sandboxes_cannot_starve_the_host(sandbox_pool):
     sandboxes are measured in one window, by the process itself. (Earlier versions compared
     with a baseline taken a moment earlier, then across the process's start-up on two
     cores; parallel workers failed both, at 0.45 and 0.46.)"""
-    require("cgroup v1 with root podman", cgroup_parent("probe", 0) is not None,
+    require("cgroup v1 with root podman", cgroup_parent("probe", 0, None) is not None,
             "elsewhere sandboxes keep podman's own placement")  # fmt: skip
 
     async def go():

@@ -89,4 +89,4 @@ def test_a_killed_sandbox_check_leaves_a_container_the_janitor_knows(sandbox_ima
             proc.kill()
         names = [c["name"] for c in _check_containers() if c["name"] not in before]
         if names:
-            asyncio.run(remove_containers_by_name(names))
+            asyncio.run(remove_containers_by_name(names, state_dir=None))

@@ -170,14 +170,13 @@ def test_gc_judges_by_store_heartbeats_not_pids(sandbox_config, sandbox_image, t
                 )
                 await boxes[key]._kill_shell()
             scope = {"sandpiper.run": run}
+            opts = {"state_dir": None, "filters": scope}  # the default sandbox folders
             want = {boxes["dead"].id, boxes["reused_pid"].id}
-            assert set(await gc(store, ttl_s=60, grace_s=0, filters=scope, dry_run=True)) == want
-            assert set(await gc(store, ttl_s=60, grace_s=3600, filters=scope)) == {
+            assert set(await gc(store, ttl_s=60, grace_s=0, dry_run=True, **opts)) == want
+            assert set(await gc(store, ttl_s=60, grace_s=3600, **opts)) == {
                 boxes["dead"].id  # a young unknown container is kept through the grace period
             }
-            assert set(await gc(store, ttl_s=60, grace_s=0, filters=scope)) == {
-                boxes["reused_pid"].id
-            }
+            assert set(await gc(store, ttl_s=60, grace_s=0, **opts)) == {boxes["reused_pid"].id}
             left = {c.name for c in await list_containers(scope)}
             assert left == {boxes["live"].id, boxes["other"].id}
         finally:
@@ -353,7 +352,7 @@ def test_gc_keeps_a_live_collector_in_another_pid_namespace_and_host(
     finally:
         other_host.kill()
         other_host.wait(timeout=30)
-        asyncio.run(remove_containers({"sandpiper.run": run}))
+        asyncio.run(remove_containers({"sandpiper.run": run}, state_dir=None))
         store.close()
 
 

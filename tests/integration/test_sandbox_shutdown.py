@@ -40,7 +40,7 @@ def test_close_during_resets_leaves_no_host_state_and_no_open_shell(sandbox_pool
             assert not stale.exists()  # swept by the pool's start
             boxes = [await pool.acquire(episode_id=f"e{i}", task_id="t") for i in range(2)]
             names = [b.id for b in boxes]
-            assert all(socket_dir(n).is_dir() for n in names)
+            assert all(socket_dir(n, None).is_dir() for n in names)
             assert all((REGISTRY_DIR / f"{n}.json").is_file() for n in names)
             await pool.release(boxes[0])  # resets run in the background; close cancels them
             await asyncio.sleep(0)  # the first one's reset waits for its shell's reply
@@ -58,7 +58,7 @@ def test_close_during_resets_leaves_no_host_state_and_no_open_shell(sandbox_pool
     finally:
         sys.unraisablehook = hook
     assert not unraisable, [str(u.exc_value) for u in unraisable]
-    assert not any(socket_dir(n).exists() for n in names)
+    assert not any(socket_dir(n, None).exists() for n in names)
     assert not [p for n in names for p in CGROUP_V1_ROOT.glob(f"*/{n}")]
     assert not [n for n in names if (REGISTRY_DIR / f"{n}.json").exists()]
 
@@ -146,7 +146,7 @@ def test_a_start_cancelled_mid_way_leaves_no_container_or_runc_behind(
             time.sleep(0.2)
         assert not left, left
     finally:
-        asyncio.run(remove_containers({"sandpiper.run": run}))
+        asyncio.run(remove_containers({"sandpiper.run": run}, state_dir=None))
         for pid in runc_and_conmon():  # what a failed run left: this test's, by pid
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -90,3 +90,25 @@ def test_the_project_image_needs_no_registry() -> None:
     froms = [line for line in (REPO / "Containerfile").read_text().splitlines()
              if line.startswith(("FROM", "ARG BASE_IMAGE"))]  # fmt: skip
     assert froms == ["ARG BASE_IMAGE=localhost/sandpiper-sandbox:latest", "FROM ${BASE_IMAGE}"]
+
+
+def test_collector_bind_sources_resolve_on_the_host() -> None:
+    """The collector drives the HOST's podman, which resolves bind sources on the host: its
+    ``sandbox.host_state_dir`` (where every bind source lies) is in a folder mounted at the
+    same path inside and outside, and passes the config's own check."""
+    from sandpiper.config import SandboxConfig
+
+    collector = _resolved()["services"]["collector"]
+    command = collector["command"]
+    state_dir = command[command.index("--sandbox.host_state_dir") + 1]
+    SandboxConfig(host_state_dir=state_dir)
+    same_path = [
+        source
+        for source, target, *_ in (str(v).split(":") for v in collector["volumes"])
+        if source == target
+    ]
+    assert any(state_dir.startswith(f"{source.rstrip('/')}/") for source in same_path), (
+        state_dir,
+        collector["volumes"],
+    )
+    assert collector["environment"]["CONTAINER_HOST"] == "unix:///run/podman/podman.sock"

@@ -87,9 +87,9 @@ def test_socket_paths_fit_a_unix_address_whatever_tmpdir(monkeypatch, tmp_path):
     name = "sandpiper-0123456789ab"
     for tmp in (tmp_path, tmp_path / ("x" * 120)):
         monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-        assert len(str(socket_dir(name) / SOCKET_NAME).encode()) <= 107
+        assert len(str(socket_dir(name, None) / SOCKET_NAME).encode()) <= 107
     monkeypatch.setattr(tempfile, "tempdir", "/tmp")
-    assert socket_dir(name) == Path("/tmp/sandpiper-sockets") / name
+    assert socket_dir(name, None) == Path("/tmp/sandpiper-sockets") / name
 
 
 def test_cgroup_removal_survives_another_collector_removing_the_same_folders(tmp_path, monkeypatch):
