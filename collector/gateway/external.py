@@ -13,6 +13,11 @@ starting that command on the collector's host with:
   (same uid, caps, timeouts). The sandbox keeps ``--network none``: the agent runs outside
   it and executes inside it. ``python -m sandpiper.collector.gateway.exec_client CMD`` is a shell
   shim; :mod:`sandpiper.collector.gateway.minisweagent_env` is a mini-swe-agent environment;
+- ``SANDPIPER_MCP_URL`` = ``.../episodes/<id>/mcp``: the same sandbox's tools
+  (``execute_bash``, ``str_replace_editor``, ``submit``) over MCP (streamable HTTP,
+  :mod:`.mcp_route`), for agents that bring their own tool loop (Codex CLI, Claude Code,
+  with their built-in tools off). A ``submit`` there runs the task's tests then, as a native
+  ``submit`` does; that result is the episode's grading;
 - ``SANDPIPER_TASK`` = the task's instruction (also in the file ``SANDPIPER_TASK_FILE``).
 
 The episode ends when the process exits or ``agent_timeout_s`` passes (its process group is
@@ -45,6 +50,7 @@ from typing import Any
 
 from sandpiper.collector.episode.loop import ToolRunner, finish_episode, prepare_sandbox
 from sandpiper.collector.episode.parsers import checked_call
+from sandpiper.collector.episode.tools.base import ToolResult
 from sandpiper.collector.gateway.assembly import assemble
 from sandpiper.collector.gateway.server import Gateway
 from sandpiper.collector.inference import lifeline
@@ -110,9 +116,14 @@ async def run_external_episode(
                 answer=None, task=task, sandbox=sandbox, episode_id=episode_id,
                 sample_index=sample_index, started_at=started_at, t0=t0,
             )  # fmt: skip
+        from sandpiper.collector.gateway.mcp_server import EpisodeTools
+
+        tools = EpisodeTools(task, sandbox, toolbox, score_on_submit=False,
+                             max_argument_bytes=limits.max_argument_bytes)  # fmt: skip
         url = gateway.open_episode(
             episode_id,
             exec_fn=_exec_via(toolbox, limits.max_argument_bytes),
+            tools=tools,
             max_calls=limits.max_turns,
             max_completion_tokens=limits.max_episode_tokens,
         )
@@ -125,6 +136,7 @@ async def run_external_episode(
             stop, error = StopReason.INFRA_ERROR, f"the agent command could not start: {e}"
         finally:
             session = gateway.close_episode(episode_id)
+        await gateway.tools_closed(episode_id)  # no MCP call of the agent still runs
         await session.settle()
         turns, stats = assemble(session.calls, gateway.renderer.decode)
         if stop is None:
@@ -133,7 +145,9 @@ async def run_external_episode(
                 error = f"{error}; agent log tail: {file_tail(log_path, _LOG_TAIL_BYTES)}"
     grading: dict[str, Any] = {}
     if stop not in INFRA_STOPS:
-        grading = await _grade(toolbox)
+        # the agent's own `submit` (MCP) ran the task's tests as a native submit does;
+        # otherwise the sandbox is graded now, as it stands
+        grading = _graded(tools.submitted) if tools.submitted else await _grade(toolbox)
         if grading.get("sandbox_stop"):
             stop = grading["sandbox_stop"]
             error = f"the sandbox was {'lost' if stop is StopReason.SANDBOX_LOST else 'broken'}"
@@ -181,6 +195,7 @@ def _agent_env(
         ANTHROPIC_API_KEY=f"sandpiper-{episode_id}",
         SANDPIPER_MODEL=gateway.settings.model_names[0],
         SANDPIPER_EXEC_URL=url.removesuffix("/v1") + "/exec",
+        SANDPIPER_MCP_URL=url.removesuffix("/v1") + "/mcp",
         SANDPIPER_TASK=task.instruction,
         SANDPIPER_TASK_FILE=str(task_file),
         HOME=str(tmp),
@@ -233,7 +248,11 @@ def _exec_via(toolbox: ToolRunner, max_argument_bytes: int):
 
 async def _grade(toolbox: ToolRunner) -> dict[str, Any]:
     """Grade the sandbox as a native ``submit`` does (the task's tests, its answer file)."""
-    result = await toolbox.call("submit", {})
+    return _graded(await toolbox.call("submit", {}))
+
+
+def _graded(result: ToolResult) -> dict[str, Any]:
+    """A ``submit`` call's result as the grading ``finish_episode`` takes."""
     if result.error_kind is ToolErrorKind.SANDBOX_LOST:
         return {"sandbox_stop": StopReason.SANDBOX_LOST}  # the host's doing: invalid
     if result.error_kind is ToolErrorKind.SANDBOX_DIED:

@@ -64,7 +64,13 @@ class Submission:
 
 class EpisodeTools:
     """One episode's tools behind MCP: the toolbox, then ``submit`` scored like a native
-    episode. After ``submit`` the episode is over and every further call is refused."""
+    episode. After ``submit`` the episode is over and every further call is refused.
+
+    ``score_on_submit=False`` (a collector episode served on the gateway's MCP route,
+    :mod:`.mcp_route`): ``submit`` runs the task's tests as the native tool does and keeps
+    its result in :attr:`submitted`; the episode's own finishing code
+    (:func:`~sandpiper.collector.gateway.external.run_external_episode`) grades it once the
+    agent exits, through the same ``finish_episode`` as a native episode."""
 
     def __init__(
         self,
@@ -75,14 +81,19 @@ class EpisodeTools:
         offered: Sequence[str] = TOOL_NAMES,
         descriptions: str = "full",
         max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
+        score_on_submit: bool = True,
     ) -> None:
         self.task, self.sandbox, self.toolbox = task, sandbox, toolbox
+        self.score_on_submit = score_on_submit
         self.max_argument_bytes = max_argument_bytes
         """``collector.max_argument_bytes``: larger calls are refused, as native ones are."""
         self.schemas = offered_schemas(offered, descriptions)
         """What a native episode offers (``collector.tools``, ``collector.tool_descriptions``)."""
         self.episode_id = uuid.uuid4().hex
         self.submission: Submission | None = None
+        """What ``submit`` left, scored (``score_on_submit``)."""
+        self.submitted: ToolResult | None = None
+        """The ``submit`` call's own result (its answer and test outcome); None until then."""
         self._started_at, self._t0 = utcnow(), time.perf_counter()
         self._lock = asyncio.Lock()
         """One call at a time: the sandbox's shell and the editor's undo history are one."""
@@ -100,7 +111,7 @@ class EpisodeTools:
 
     async def call(self, name: str, arguments: dict[str, Any] | None) -> types.CallToolResult:
         async with self._lock:
-            if self.submission is not None:
+            if self.submitted is not None:
                 return _text("Error: the episode was already submitted.", error=True)
             offered = [s["function"]["name"] for s in self.schemas]
             if name not in offered:  # as the native loop answers a tool it did not offer
@@ -112,6 +123,9 @@ class EpisodeTools:
             result = await self.toolbox.call(name, call.arguments)
             if not result.submitted:
                 return _text(result.output, error=result.error_kind is not ToolErrorKind.NONE)
+            self.submitted = result
+            if not self.score_on_submit:  # graded by the episode's own finish, later
+                return _text("Submitted: the episode is over.", error=False)
             self.submission = await self._score(result)
             return _text(_submitted_text(self.submission), error=self.submission.reward is None)
 

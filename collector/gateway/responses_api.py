@@ -299,6 +299,20 @@ def chat_tools(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
+def tool_namespaces(tools: Any) -> dict[str, str]:
+    """Function name → the ``namespace`` tool it was declared in (flattened by
+    :func:`chat_tools`): a call of it is answered with that ``namespace``, which is how Codex
+    routes a call to its MCP server (``mcp__<server>``) or sub-agent tools; without it
+    Codex answers ``unsupported call``."""
+    found: dict[str, str] = {}
+    for tool in tools if isinstance(tools, list) else ():
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and tool.get("name"):
+            for inner in tool.get("tools") or []:
+                if isinstance(inner, dict) and inner.get("name"):
+                    found.setdefault(str(inner["name"]), str(tool["name"]))
+    return found
+
+
 def chat_tool_choice(choice: Any) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
@@ -337,12 +351,16 @@ def to_response(
             "content": [{"type": "output_text", "text": answer, "annotations": [],
                          "logprobs": logprobs}],
         })  # fmt: skip
+    namespaces = tool_namespaces(body.get("tools"))
     for call in calls:
-        output.append({
+        item = {
             "type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "status": "completed",
             "call_id": call["id"], "name": call["function"]["name"],
             "arguments": call["function"]["arguments"],
-        })  # fmt: skip
+        }  # fmt: skip
+        if call["function"]["name"] in namespaces:
+            item["namespace"] = namespaces[call["function"]["name"]]
+        output.append(item)
     usage = payload["usage"]
     cut = choice["finish_reason"] == "length"
     return {

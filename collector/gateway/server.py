@@ -22,6 +22,8 @@ Routes (``/episodes/<id>/v1`` is the base URL an OpenAI client is given):
 - any other method or path: a JSON 404 naming it and the routes served
 - ``POST /episodes/<id>/exec`` — run a command in the episode's sandbox (external agents,
   see :mod:`sandpiper.collector.gateway.external`); 404 unless the episode has a sandbox.
+- ``GET|POST|DELETE /episodes/<id>/mcp`` — the episode's sandbox tools over MCP (streamable
+  HTTP, :mod:`~sandpiper.collector.gateway.mcp_route`); 404 unless the episode has tools.
 - ``POST /episodes`` / ``POST /episodes/<id>/close`` — open / close an episode (standalone
   use; the collector calls the Python methods).
 
@@ -40,7 +42,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -53,6 +55,7 @@ from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.gateway import messages_api, responses_api
 from sandpiper.collector.gateway import openai_api as api
 from sandpiper.collector.gateway.assembly import call_id
+from sandpiper.collector.gateway.mcp_route import EpisodeMCP, MCPEndpoint
 from sandpiper.collector.gateway.request_params import (
     RequestParams,
     chat_params,
@@ -66,6 +69,9 @@ from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
 from sandpiper.config import SamplingLimits
 from sandpiper.errors import InferenceError
 from sandpiper.store.records import utcnow
+
+if TYPE_CHECKING:
+    from sandpiper.collector.gateway.mcp_server import EpisodeTools
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +103,13 @@ class GatewaySettings:
 
 
 class _Episode:
-    def __init__(self, session: EpisodeSession, exec_fn: ExecFn | None) -> None:
+    def __init__(
+        self, session: EpisodeSession, exec_fn: ExecFn | None, mcp: EpisodeMCP | None
+    ) -> None:
         self.session = session
         self.exec_fn = exec_fn
+        self.mcp = mcp
+        """The episode's sandbox tools over MCP (``/episodes/<id>/mcp``); None: no route."""
         self.lock = asyncio.Lock()
 
 
@@ -111,6 +121,8 @@ class Gateway:
     ) -> None:
         self.client, self.renderer, self.settings = client, renderer, settings
         self._episodes: dict[str, _Episode] = {}
+        self._closing: dict[str, asyncio.Future] = {}
+        """Closed episodes' MCP servers still stopping."""
         self._server: Any = None
         self._task: asyncio.Task | None = None
         self.url = ""
@@ -121,6 +133,11 @@ class Gateway:
                 Route("/episodes", self._open, methods=["POST"]),
                 Route("/episodes/{eid}/close", self._close, methods=["POST"]),
                 Route("/episodes/{eid}/exec", self._exec, methods=["POST"]),
+                Route(
+                    "/episodes/{eid}/mcp",
+                    MCPEndpoint(self._episode_mcp, _not_found),
+                    methods=["GET", "POST", "DELETE"],
+                ),
                 Route("/episodes/{eid}/v1/models", self._models, methods=["GET"]),
                 Route("/episodes/{eid}/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/episodes/{eid}/v1/completions", self._completions, methods=["POST"]),
@@ -137,22 +154,44 @@ class Gateway:
         episode_id: str,
         *,
         exec_fn: ExecFn | None = None,
+        tools: EpisodeTools | None = None,
         max_calls: int | None = None,
         max_completion_tokens: int | None = None,
     ) -> str:
         """Start recording ``episode_id``; returns its OpenAI base URL. Calls past
         ``max_calls`` or ``max_completion_tokens`` sampled tokens are refused (HTTP 400,
-        code ``episode_budget_exhausted``) and set the session's ``budget_spent``."""
+        code ``episode_budget_exhausted``) and set the session's ``budget_spent``.
+        ``tools``: the episode's sandbox tools, served over MCP at :meth:`mcp_url`."""
         if episode_id in self._episodes:
             raise ValueError(f"episode {episode_id} is already open")
         session = EpisodeSession(episode_id, self.renderer)
         session.max_calls, session.max_completion_tokens = max_calls, max_completion_tokens
-        self._episodes[episode_id] = _Episode(session, exec_fn)
+        mcp = EpisodeMCP(tools) if tools is not None else None
+        self._episodes[episode_id] = _Episode(session, exec_fn, mcp)
         return self.episode_url(episode_id)
 
     def close_episode(self, episode_id: str) -> EpisodeSession:
-        """Stop serving ``episode_id`` (later calls get 404) and return its recorded calls."""
-        return self._episodes.pop(episode_id).session
+        """Stop serving ``episode_id`` (later calls get 404) and return its recorded calls.
+        Its MCP server stops too (:meth:`tools_closed` waits for that)."""
+        episode = self._episodes.pop(episode_id)
+        if episode.mcp is not None:
+            self._closing[episode_id] = asyncio.ensure_future(episode.mcp.stop())
+        return episode.session
+
+    async def tools_closed(self, episode_id: str) -> None:
+        """Once a closed episode's MCP server has stopped: no tool call of it is still
+        running (the episode can be graded)."""
+        closing = self._closing.pop(episode_id, None)
+        if closing is not None:
+            await closing
+
+    def _episode_mcp(self, episode_id: str) -> EpisodeMCP | None:
+        episode = self._episodes.get(episode_id)
+        return None if episode is None else episode.mcp
+
+    def mcp_url(self, episode_id: str) -> str:
+        """The episode's MCP endpoint (streamable HTTP)."""
+        return f"{self.url}/episodes/{episode_id}/mcp"
 
     def episode_url(self, episode_id: str) -> str:
         return f"{self.url}/episodes/{episode_id}/v1"
@@ -182,6 +221,8 @@ class Gateway:
         return self.url
 
     async def aclose(self) -> None:
+        for eid in list(self._closing):
+            await self.tools_closed(eid)
         if self._server is not None:
             self._server.should_exit = True
             if self._task is not None:

@@ -38,7 +38,9 @@ AGENTS = REPO / "configs" / "agents"
 NODE_BIN = REPO / "runs" / "agents" / "node_modules" / ".bin"
 """Where scripts/setup.sh installs the pinned npm clients."""
 MAX_MODEL_LEN = 4096
-"""The shared server's window (tests/fixtures/vllm.py): the agents' own prompts take ~2k."""
+"""The shared server's window (tests/fixtures/vllm.py): the agents' prompts trimmed with
+``--small-model`` take ~2-3k tokens of the tiny model's vocabulary (their defaults, 5-18k,
+do not fit; tests/integration/test_agents_in_sandbox.py runs those)."""
 
 
 def _npm_client(name: str) -> str | None:
@@ -166,7 +168,8 @@ def test_codex_cli_collects_and_the_learner_trains(vllm_server, sandbox_image, t
     require("Codex CLI", codex is not None, "npm @openai/codex: run scripts/setup.sh")
     assert codex is not None
     env = {"PATH": _path_with(str(Path(codex).parent))}
-    _collect_and_learn(tmp_path, vllm_server, "agent-codex", f"bash {AGENTS / 'codex.sh'}", env)
+    command = f"bash {AGENTS / 'codex.sh'} --small-model"  # the tiny model's 4096-token window
+    _collect_and_learn(tmp_path, vllm_server, "agent-codex", command, env)
 
 
 def test_claude_code_collects_and_the_learner_trains(vllm_server, sandbox_image, tmp_path):
@@ -174,7 +177,7 @@ def test_claude_code_collects_and_the_learner_trains(vllm_server, sandbox_image,
     require("Claude Code", claude is not None, "npm @anthropic-ai/claude-code: scripts/setup.sh")
     assert claude is not None
     env = {"PATH": _path_with(str(Path(claude).parent))}
-    command = f"bash {AGENTS / 'claude_code.sh'}"
+    command = f"bash {AGENTS / 'claude_code.sh'} --small-model"
     _collect_and_learn(tmp_path, vllm_server, "agent-claude", command, env)
 
 

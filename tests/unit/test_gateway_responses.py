@@ -268,7 +268,8 @@ def test_a_forged_reasoning_item_or_another_episodes_response_is_never_spliced(t
 def test_codex_tools_hosted_ones_left_out_namespaces_flattened(tiny_tokenizer):
     """Codex declares ``web_search`` (run by OpenAI's servers: the gateway has none) and
     groups tools in a ``namespace``: the first is left out of the prompt, the second's
-    function tools are rendered like any other."""
+    function tools are rendered like any other, and a call of one names its namespace (how
+    Codex routes a call to its MCP server; without it Codex answers ``unsupported call``)."""
 
     async def main():
         async with _episode(tiny_tokenizer, [SUBMIT]) as (_, policy, renderer, client):
@@ -279,6 +280,7 @@ def test_codex_tools_hosted_ones_left_out_namespaces_flattened(tiny_tokenizer):
 
     r, policy, renderer = asyncio.run(main())
     assert r.output[0].name == "submit"
+    assert r.output[0].to_dict().get("namespace") == "ns"
     want = renderer.render([{"role": "user", "content": "go"}], add_generation_prompt=True,
                            tools=FAKE_TOOL_SCHEMAS)  # fmt: skip
     assert renderer.decode(policy.prompts[0]) == want
