@@ -147,7 +147,8 @@ async def run_external_episode(
     if stop not in INFRA_STOPS:
         # the agent's own `submit` (MCP) ran the task's tests as a native submit does;
         # otherwise the sandbox is graded now, as it stands
-        grading = _graded(tools.submitted) if tools.submitted else await _grade(toolbox)
+        submitted = tools.submitted
+        grading = _graded(submitted) if submitted is not None else await _grade(toolbox)
         if grading.get("sandbox_stop"):
             stop = grading["sandbox_stop"]
             error = f"the sandbox was {'lost' if stop is StopReason.SANDBOX_LOST else 'broken'}"

@@ -189,3 +189,42 @@ def test_the_agents_sdk_with_default_settings_collects_and_the_learner_trains(
     command = f"{sys.executable} {AGENTS / 'openai_agents.py'}"
     env = {"PYTHONPATH": str(REPO)}
     _collect_and_learn(tmp_path, vllm_server, "agent-sdk", command, env)
+
+
+def test_claude_codes_episodes_train_a_version_that_samples_the_next(
+    vllm_server, sandbox_image, tmp_path
+):
+    """One short GRPO run on an agent CLI (issue 46, item 5): a group of Claude Code episodes
+    sampled by version 0 trains version 1, and a second collector run's episodes are sampled
+    by version 1 (every trained token's version recorded), with the reward by version in the
+    output."""
+    from sandpiper.collector.daemon.launch import collect
+    from sandpiper.store import Store
+    from sandpiper.store.claims import load_episodes
+
+    claude = _npm_client("claude")
+    require("Claude Code", claude is not None, "npm @anthropic-ai/claude-code: scripts/setup.sh")
+    assert claude is not None
+    env = {"PATH": _path_with(str(Path(claude).parent))}
+    command = f"bash {AGENTS / 'claude_code.sh'} --small-model"
+    name = "agent-claude-grpo"
+    _collect_and_learn(tmp_path, vllm_server, name, command, env)  # v0's group -> v1
+
+    config = load_config(tmp_path / "run.toml")
+    metrics = asyncio.run(collect(config.for_collector(), stop=asyncio.Event(), live_status=False))
+    assert metrics.groups_total == 1 and metrics.episodes_total == 2
+
+    query = "SELECT episode_id, reward, min_policy_version, max_policy_version FROM episodes"
+    with Store(config.store.url).connect_readonly() as conn:
+        rows = conn.execute(sa.text(query)).all()
+        trained = load_episodes(conn, episode_ids=[r.episode_id for r in rows])
+    versions = {ep.episode_id: set(ep.policy_versions_T[ep.loss_mask_T].tolist()) for ep in trained}
+    by_version: dict[int, list[float]] = {}
+    for r in rows:
+        assert r.min_policy_version == r.max_policy_version, r  # no reload mid-episode here
+        assert versions[r.episode_id] == {r.min_policy_version}, (r, versions)
+        by_version.setdefault(r.min_policy_version, []).append(float(r.reward))
+    assert sorted(by_version) == [0, 1] and [len(v) for v in by_version.values()] == [2, 2]
+    print(json.dumps({"agent": "claude_code --small-model", "reward_by_version": {
+        v: {"episodes": len(rs), "mean": sum(rs) / len(rs)} for v, rs in sorted(by_version.items())
+    }}))  # fmt: skip
