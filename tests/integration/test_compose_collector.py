@@ -17,7 +17,12 @@ import sqlalchemy as sa
 
 from tests.fixtures.sandbox import run_containers
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.long,
+    pytest.mark.timeout(2400),
+]
 
 RUN = "it-compose"
 COLLECT_TIMEOUT_S = 600

@@ -22,7 +22,12 @@ from tests.conftest import REPO, require
 from tests.fixtures.sandbox import run_containers
 from tests.fixtures.vllm import tiny_model_copy
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.long,
+    pytest.mark.timeout(2400),
+]
 
 RUN = "compose-cpu"  # configs/compose-cpu.toml
 TRAIN_TIMEOUT_S = 900
