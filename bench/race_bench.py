@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from race_eval import _free_port  # noqa: E402  (bench scripts import their siblings)
 from race_setup import (  # noqa: E402  (bench scripts import their siblings)
     CANONICAL_TOOL_LINE,
     PEER_COMPUTE_COMMAND,
@@ -182,12 +182,6 @@ def reward_by_version(store_url: str, run_id: str) -> list[dict[str, Any]]:
 
 TRL_REWARD = re.compile(r"'reward': '([-\d.e]+)'")
 """The training reward TRL prints each step (``logging_steps = 1``)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str, Any]:

@@ -254,6 +254,11 @@ def sandpiper_config(
     )
     le.advantage, le.loss_agg, le.epochs, le.minibatches = "std", "token_mean", 1, 1
     le.max_steps = 0  # the wall-clock budget ends the run
+    # its own port: another run on this machine (the demo, a test beside it) may hold the
+    # default 8100, and the collector refuses a port in use (a CI run failed so)
+    from race_eval import _free_port
+
+    cfg.inference.base_port = _free_port()
     # every version stays on disk: the eval harness picks one per wall-clock mark
     le.checkpoint_retention = False
     return cfg

@@ -260,7 +260,11 @@ def run_grpo(config: RunConfig, *, minutes: float, on_tick: Any) -> None:
             if procs["learner"].poll() is not None:
                 break
             if procs["collector"].poll() is not None:
-                raise SandpiperError(f"the collector exited; see {logs / 'collector.log'}")
+                log_path = logs / "collector.log"
+                raise SandpiperError(
+                    f"the collector exited (exit {procs['collector'].returncode}); see "
+                    f"{log_path}; its last lines:\n{file_tail(log_path, 2000)}"
+                )
             time.sleep(5)
         on_tick()
     finally:

@@ -34,6 +34,7 @@ from sqlalchemy import text
 
 from tests.conftest import REPO, require
 from tests.fixtures._learning import reward_rise
+from tests.fixtures.vllm import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(2400)]
 
@@ -94,6 +95,8 @@ def _run_demo_and_check_the_loop(root: Path, model_dir: Path, *, seed: int, lr: 
         "--learner.model", str(model_dir), "--learner.max_steps", str(STEPS),
         "--learner.groups_per_step", str(GROUPS_PER_STEP),
         "--learner.max_lag", str(MAX_LAG), "--learner.lr", str(lr),
+        # not the default 8100, which a test beside this one may hold (the race's did)
+        "--inference.base_port", str(free_port()),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=2300)
     tail = (done.stdout + done.stderr)[-4000:]

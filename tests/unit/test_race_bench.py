@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -67,6 +68,16 @@ def test_both_configs_carry_the_same_settings(suite) -> None:
     assert len(by_name["train task ids"].trl) == 6
     table = setup.side_by_side(rows)
     assert "DIFFERS" not in table and "learning rate" in table
+
+
+def test_sandpiper_side_serves_on_a_free_port_not_the_default(suite) -> None:
+    """A test beside the race (the demo's) may hold 8100: the collector would refuse it."""
+    from sandpiper.config_parts import InferenceConfig
+
+    sp = suite[4]
+    assert sp.inference.base_port != InferenceConfig().base_port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", sp.inference.base_port))  # free when the config was made
 
 
 def test_trl_config_is_accepted_by_grpo_config(suite) -> None:
