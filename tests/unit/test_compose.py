@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,3 +114,37 @@ def test_collector_bind_sources_resolve_on_the_host() -> None:
         collector["volumes"],
     )
     assert collector["environment"]["CONTAINER_HOST"] == "unix:///run/podman/podman.sock"
+
+
+def test_the_learner_ranks_take_the_containers_own_gpu_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The learner container is given host GPUs 4-7, which CUDA inside it numbers 0-3: its
+    launch line (`sandpiper learn --dry-run` on compose's own command) includes exactly those,
+    where the config's host ids would make DeepSpeed's launcher fail ("No slot '4'")."""
+    from typer.testing import CliRunner
+
+    from sandpiper.cli import app
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the NVIDIA runtime sets none
+    learner = _resolved()["services"]["learner"]
+    (device,) = learner["deploy"]["resources"]["reservations"]["devices"]
+    inside = ",".join(str(i) for i in range(len(device["device_ids"])))
+    command = learner["command"]
+    assert command[:2] == ["sandpiper", "learn"]
+    monkeypatch.chdir(REPO)  # the service's working directory holds configs/ as REPO does
+    out = CliRunner().invoke(app, [*command[1:], "--dry-run"])
+    assert out.exit_code == 0, out.output
+    (rank_launcher,) = json.loads(out.output)["processes"]
+    argv = rank_launcher["argv"]
+    assert argv[argv.index("--include") + 1] == f"localhost:{inside}"
+
+
+def test_vllm_reads_the_checkpoints_where_the_learner_registers_them() -> None:
+    """A version is registered as /app/runs/<run>/policies/vN (the learner's working folder is
+    /app): the vLLM service must see ./runs at that path, or the first reload fails."""
+    services = _resolved()["services"]
+    learner_runs = [v for v in services["learner"]["volumes"] if str(v).endswith(":/app/runs")]
+    assert learner_runs, services["learner"]["volumes"]
+    source = learner_runs[0].split(":")[0]
+    assert f"{source}:/app/runs:ro" in services["vllm"]["volumes"], services["vllm"]["volumes"]
