@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from sandpiper import config_checks as checks
 
+MAX_TEMPERATURE = 2.0
+"""The highest sampling temperature: the OpenAI API's bound, which the gateway applies to a
+request's own ``temperature`` too."""
+
 ToolName = Literal["execute_bash", "str_replace_editor", "submit"]
 
 ToolFormat = Literal["hermes", "qwen3_coder", "bash_block"]
@@ -243,8 +247,9 @@ class CollectorConfig(_Part):
     max_episode_tokens: int = Field(default=2048, ge=1)
     """Budget of sampled tokens over all turns of an episode (the context limit is the
     server's ``inference.max_model_len``)."""
-    temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature (0 = greedy)."""
+    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
+    """Sampling temperature (0 = greedy; at most 2, as the OpenAI API and the gateway bound a
+    request's)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling: keep the smallest token set with this much probability."""
     max_concurrent_episodes: int = Field(default=16, ge=1)

@@ -37,6 +37,7 @@ from typing import Any
 from sandpiper.collector.gateway.openai_api import APIError
 from sandpiper.collector.inference.base import Generation, SamplingParams
 from sandpiper.config import SamplingLimits
+from sandpiper.config_parts import MAX_TEMPERATURE
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ def chat_params(body: Mapping[str, Any], *, completions: bool = False) -> Reques
         top_logprobs = _top_logprobs(body.get("top_logprobs"), logprobs)
     return RequestParams(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0),
+        temperature=_number(body, "temperature", 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 0.0, 1.0, low_open=True),
         seed=_seed(body.get("seed")),
         stop=stop_strings(body.get("stop"), "stop"),

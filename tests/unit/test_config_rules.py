@@ -81,6 +81,21 @@ def test_grpo_scores_tokens_as_they_were_sampled() -> None:
     assert sft.collector.top_p == 0.9
 
 
+def test_temperature_is_bounded_as_the_gateway_bounds_a_request() -> None:
+    """The run config took 50 while the gateway refuses a request's temperature above 2."""
+    from sandpiper.collector.gateway.openai_api import APIError
+    from sandpiper.collector.gateway.request_params import chat_params
+
+    with pytest.raises(APIError):
+        chat_params({"temperature": 2.5})
+    assert chat_params({"temperature": 2.0}).temperature == 2.0
+    assert "collector.temperature = 2.5: must be <= 2" in _refused(
+        "--collector.temperature", "2.5", "--inference.logprobs_mode", "processed_logprobs"
+    )
+    cfg = ["--collector.temperature", "2", "--inference.logprobs_mode", "processed_logprobs"]
+    assert load_config(None, cfg).collector.temperature == 2.0
+
+
 def test_ports_fit_and_the_gateway_is_not_a_servers_port() -> None:
     message = _refused("--inference.base_port", "65535", "--inference.num_servers", "2")
     assert "inference.base_port = 65535" in message and "65536" in message
