@@ -3,9 +3,11 @@
 # a task's agent_command with OPENAI_BASE_URL, OPENAI_API_KEY, SANDPIPER_MODEL, SANDPIPER_MCP_URL
 # and SANDPIPER_TASK set and HOME a fresh temporary folder (collector/gateway/external.py).
 # Codex's shell is off; its commands, reads and edits go to the episode's podman sandbox through
-# the MCP server `sandbox` (codex.toml). Its own instructions and tools are kept (~13k tokens);
-# `--small-model` replaces the instructions with two lines and drops the sub-agent, goal and
-# skill tools (~1k), for the small models this project runs on CPU.
+# the MCP server `sandbox` (codex.toml). Its own instructions and tools are kept: a first prompt
+# with a one-line task is 9,894 SmolLM2 tokens, 17,921 tiny-model tokens. `--small-model`
+# replaces the instructions with two lines and drops the sub-agent, goal and skill tools (2,011
+# and 3,296 tokens), for the small models this project runs on CPU. Figures measured by
+# bench/agent_prompts.py, in bench/results/agent_prompts/prompt_tokens.json.
 # CODEX overrides the binary (default: `codex` on PATH, else runs/agents/node_modules/.bin).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
