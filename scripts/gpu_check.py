@@ -1,9 +1,10 @@
 """The learner on one CUDA GPU, in one short run: peak memory against the planner, tokens/s,
 and checkpointing equality. Prints one JSON line (an ``error`` key when a piece is missing).
 
-Run by ``scripts/gpu_check.sh`` on a GPU machine (torch + transformers there; deepspeed from a
-wheel carried with the tree). ``--dry-run`` does the same on CPU with the tiny model, small
-enough for a unit test (``tests/unit/test_gpu_check.py``).
+Run by ``scripts/gpu_check.sh`` on a GPU machine (torch + transformers there; deepspeed, hjson
+and pydantic from the wheels ``scripts/gpu_wheels.sh`` puts in ``.whl/``, carried with the
+tree). ``--dry-run`` does the same on CPU with the tiny model, small enough for a unit test
+(``tests/unit/test_gpu_check.py``).
 
 Steps:
 1. ``sandpiper.trainer.memory_probe`` in a child process: learner steps (bf16, gradient
@@ -30,13 +31,13 @@ sys.path.insert(0, str(REPO))
 
 
 def _missing() -> str | None:
-    for module in ("torch", "transformers", "deepspeed"):
+    for module in ("torch", "transformers", "pydantic", "deepspeed"):
         try:
             __import__(module)
         except ImportError as e:
             hint = (
-                " (carry its wheel with the tree: pip install --no-deps WHEEL)"
-                if module == "deepspeed"
+                " (run scripts/gpu_wheels.sh here and carry .whl with the tree)"
+                if module in ("pydantic", "deepspeed")
                 else ""
             )
             return f"{module} is not importable: {e}{hint}"
