@@ -1,5 +1,6 @@
 """The learner loop against an in-memory store: version 0, what a step registers, skipped
-groups, minibatches x epochs, resume from the latest version, and SFT."""
+groups, minibatches x epochs, resume from the latest version, SFT, and the dtype a version is
+published in."""
 
 from __future__ import annotations
 
@@ -154,3 +155,35 @@ def test_training_state_every_k_versions_and_at_a_clean_stop(tmp_path, learner_t
     assert all(torch.equal(got[k], v) for k, v in want.items())
     resumed.close()
     learner.close(release=False)  # its lease was handed over above
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16", torch.bfloat16), ("fp32", torch.float32)]
+)
+def test_a_version_is_published_in_the_training_dtype(
+    tmp_path, learner_tiny_model, world, caplog, precision, dtype
+):
+    """The sampler's weights are written in the dtype the learner computes with: bf16
+    safetensors from a bf16 learner (DeepSpeed's bf16 mode), float32 from an fp32 one; the
+    log line of the version says what was written, in bytes."""
+    from safetensors.torch import load_file
+
+    from sandpiper.trainer.learner import Learner
+
+    caplog.set_level("INFO", logger="sandpiper.trainer.learner")
+    cfg = make_config(tmp_path, learner_tiny_model, precision=precision, lr=1e-3)
+    store = MemoryStore()
+    learner = Learner(cfg.for_learner(), store, world)
+    store.write_groups(_groups(learner.engine.module, 2))
+    metrics = learner.train_step(
+        store.claim_batch(run_id="lt", learner_id="x", n_groups=2, max_lag=2)
+    )
+    assert learner.version == 1
+    folder = Path(store.registered[-1].checkpoint_uri)
+    files = sorted(folder.glob("*.safetensors"))
+    assert files
+    dtypes = {key: t.dtype for file in files for key, t in load_file(str(file)).items()}
+    assert dtypes and set(dtypes.values()) == {dtype}, dtypes
+    written = f"{metrics['checkpoint/bytes'] / 1e6:,.1f} MB written ("
+    assert f"{written}{str(dtype).removeprefix('torch.')} weights" in caplog.text
+    learner.close()
