@@ -53,7 +53,7 @@ def claim_groups(
     max_lag: int,
     lease_s: float,
     fence: Fence | None = None,
-):
+) -> TrainBatch | None:
     """See :meth:`sandpiper.store.Store.claim_batch`; with ``fence``, only the run's leader may claim."""
     gs, g, pol = T.group_states, T.groups, T.policies
     now = utcnow()
@@ -196,7 +196,12 @@ def load_episodes(conn: sa.Connection, *, episode_ids: list[str]) -> list[TrainE
     return [ep for _, ep in _episodes(conn, episode_ids=episode_ids)]
 
 
-def _episodes(conn: sa.Connection, *, group_ids=None, episode_ids=None):
+def _episodes(
+    conn: sa.Connection,
+    *,
+    group_ids: list[str] | None = None,
+    episode_ids: list[str] | None = None,
+) -> list[tuple[str, TrainEpisode]]:
     """(group_id, TrainEpisode) pairs ordered by group, sample index."""
     e = T.episodes
     key_col, keys = (

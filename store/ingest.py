@@ -19,6 +19,7 @@ both are refused as duplicates.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -38,7 +39,7 @@ def _episode_ids(g: GroupRecord) -> frozenset[str]:
     return frozenset(e.episode_id for e in g.episodes)
 
 
-def _chunks(ids: list[str]):
+def _chunks(ids: list[str]) -> Iterator[list[str]]:
     for i in range(0, len(ids), CHUNK):
         yield ids[i : i + CHUNK]
 
@@ -74,7 +75,7 @@ def _lease(conn: sa.Connection, g: GroupRecord) -> int | None:
     ).scalar()
 
 
-def _finish_slots(conn: sa.Connection, groups: list[GroupRecord], now) -> set[str]:
+def _finish_slots(conn: sa.Connection, groups: list[GroupRecord], now: datetime) -> set[str]:
     """Mark the slots of ``groups`` done where they still have the group's lease; returns
     the group ids whose slot was. PostgreSQL: one statement for all (a round trip per group
     was most of a commit's statements); DuckDB: one by one, under the file lock."""

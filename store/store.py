@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
@@ -44,6 +44,9 @@ from sandpiper.store.records import (
     WriteReport,
     utcnow,
 )
+
+if TYPE_CHECKING:
+    from sandpiper.store.writer import GroupWriter, OnOutcome
 
 T = schema
 
@@ -291,8 +294,8 @@ class Store:
         flush_interval_s: float = 1.5,
         flush_max_episodes: int = 2000,
         spool_dir: str | None = None,
-        on_outcome=None,
-    ):
+        on_outcome: OnOutcome | None = None,
+    ) -> GroupWriter:
         """A :class:`~sandpiper.store.writer.GroupWriter` (durable spool + background batch commits)."""
         from sandpiper.store.writer import GroupWriter
 

@@ -15,16 +15,17 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import sqlalchemy as sa
 
 from sandpiper.errors import StoreError
 from sandpiper.store import packed, schema, text
-from sandpiper.store.records import GroupRecord, GroupStatus, Split
+from sandpiper.store.records import GroupRecord, GroupStatus, Split, TurnRecord
 
 MIN_VALID_FOR_ADVANTAGE = 2
 """A train group with fewer valid episodes than this cannot have an advantage: ``invalid``."""
 
 
-def _table(table, columns: dict[str, Any]) -> pa.Table:
+def _table(table: sa.Table, columns: dict[str, Any]) -> pa.Table:
     """An Arrow table in ``table``'s derived schema (fails loudly on a missing column)."""
     arrow = schema.arrow_schema(table)
     arrays = []
@@ -36,7 +37,7 @@ def _table(table, columns: dict[str, Any]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=arrow)
 
 
-def _check_turn(group_id: str, episode_id: str, turn) -> None:
+def _check_turn(group_id: str, episode_id: str, turn: TurnRecord) -> None:
     n = len(turn.token_ids_T)
     for name in ("logprobs_T", "policy_versions_T"):
         arr = getattr(turn, name)

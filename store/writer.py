@@ -30,6 +30,10 @@ not a spool file) never stops the writer: it is logged as an error, counted in
 ``*.tmp`` files were never acknowledged (``put`` had not returned) and are deleted.
 
 One writer owns a spool directory at a time (a lock file inside it).
+
+Its two typed faces: :class:`GroupSink`, what the collector and the standalone gateway write
+groups to (``GroupWriter``, or the test fake ``sandpiper.testing.FakeWriter``), and
+:class:`WriterStore`, what the writer needs of the store (``store.Store`` provides it).
 """
 
 from __future__ import annotations
@@ -41,19 +45,80 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from filelock import FileLock, Timeout
 
 from sandpiper.errors import StoreError
 from sandpiper.store import dead as dead_letters
 from sandpiper.store import spool as spool_format
-from sandpiper.store.records import GroupRecord, WriteOutcome
+from sandpiper.store.records import GroupRecord, WriteOutcome, WriteReport
 from sandpiper.store.validation import check_group
 
 log = logging.getLogger(__name__)
 
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 """Waits between failed commits (the last repeats); the groups stay spooled meanwhile."""
+
+OnOutcome = Callable[[GroupRecord, WriteOutcome], None]
+"""Told each group's outcome once it is settled (called on the writer's thread)."""
+
+
+class GroupSink(Protocol):
+    """What the collector and the standalone gateway write groups to."""
+
+    on_outcome: OnOutcome | None
+    """Set by the collector before its first ``put``; None: nobody is told."""
+
+    @property
+    def spool(self) -> Path | None:
+        """The folder holding the acknowledged groups; None for a sink without one."""
+        ...
+
+    def put(self, group: GroupRecord) -> None:
+        """Acknowledge ``group``: from the return on it is durable and will be committed."""
+        ...
+
+    def pending(self) -> int:
+        """Groups acknowledged but not committed yet."""
+        ...
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Commit everything acknowledged so far; raise if it is not done in ``timeout_s``."""
+        ...
+
+    def close(self) -> None:
+        """Commit everything acknowledged, then stop."""
+        ...
+
+
+class WriterStore(Protocol):
+    """What :class:`GroupWriter` needs of the store (``store.Store`` provides it)."""
+
+    def default_spool_dir(self) -> str:
+        """The spool folder when the writer is given none."""
+        ...
+
+    def write_groups_report(self, groups: list[GroupRecord]) -> WriteReport:
+        """Commit whole groups in one transaction; each group's outcome."""
+        ...
+
+    def ping(self) -> None:
+        """Raise when the store cannot take writes now."""
+        ...
+
+    def record_dead_group(
+        self,
+        *,
+        group_id: str,
+        run_id: str,
+        source: str,
+        error: str,
+        spool: bytes | None = None,
+        collector_id: str | None = None,
+    ) -> None:
+        """List a group in ``dead_groups`` (one more attempt, the latest error)."""
+        ...
 
 
 def _fsync_dir(path: Path) -> None:
@@ -80,18 +145,18 @@ class GroupWriter:
 
     def __init__(
         self,
-        store,
+        store: WriterStore,
         *,
         flush_interval_s: float,
         flush_max_episodes: int,
         spool_dir: str | None,
-        on_outcome: Callable[[GroupRecord, WriteOutcome], None] | None = None,
+        on_outcome: OnOutcome | None = None,
     ) -> None:
         self.store = store
         self.on_outcome = on_outcome
         self.flush_interval_s = flush_interval_s
         self.flush_max_episodes = flush_max_episodes
-        self.spool = Path(spool_dir or store.default_spool_dir())
+        self.spool: Path = Path(spool_dir or store.default_spool_dir())
         self.spool.mkdir(parents=True, exist_ok=True)
         self._owner = FileLock(str(self.spool / ".owner.lock"), thread_local=False)
         try:
@@ -204,7 +269,7 @@ class GroupWriter:
     def __enter__(self) -> GroupWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- background thread ------------------------------------------------------------------

@@ -50,7 +50,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from sandpiper.collector.daemon.shutdown import final_commit, flush_until_stopped, unless_stopped
 from sandpiper.collector.daemon.status import CollectorMetrics
@@ -61,6 +61,7 @@ from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.gateway.external import agent_command, run_external_episode
 from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.inference.base import Generation, PolicyClient, SamplingParams
+from sandpiper.collector.sandbox.base import SandboxSource
 from sandpiper.collector.tasks.model import Task
 from sandpiper.config import CollectorSettings
 from sandpiper.errors import SandpiperError, StoreError, TaskError
@@ -69,23 +70,21 @@ from sandpiper.store.records import (
     GroupRecord,
     GroupSampling,
     GroupStatus,
+    PolicyRecord,
     SlotLease,
     Split,
     WriteOutcome,
 )
 from sandpiper.store.slots import task_rank
 
+if TYPE_CHECKING:
+    from sandpiper.store.writer import GroupSink
+
 log = logging.getLogger(__name__)
 
 GROUPS_SHARE = 0.75
 """Share of ``drain_timeout_s`` that running groups get to finish after a stop; the final
 commit and the slot release get the rest."""
-
-
-class Pool(Protocol):
-    async def acquire(self, *, episode_id: str, task_id: str, image: str | None = None) -> Any: ...
-
-    async def release(self, sandbox: Any, *, broken: bool = False) -> None: ...
 
 
 class TokenBudgetClient:
@@ -127,8 +126,8 @@ class Collector:
         client: PolicyClient,
         renderer: ChatRenderer,
         store: CollectorStore,
-        writer: Any,
-        pool: Pool,
+        writer: GroupSink,
+        pool: SandboxSource,
         toolbox_factory: ToolboxFactory,
         tasks: list[Task],
         collector_id: str,
@@ -314,7 +313,7 @@ class Collector:
         )
 
     def _retire_predecessor(self) -> None:
-        spool = getattr(self.writer, "spool", None)
+        spool = self.writer.spool
         if spool is not None:
             retire_predecessor(self.store, Path(spool), self.collector_id)
 
@@ -462,7 +461,7 @@ class Collector:
         self._refresh_metrics()
         self._wake.set()
 
-    def _read_store(self) -> tuple[dict[GroupStatus, int], Any]:
+    def _read_store(self) -> tuple[dict[GroupStatus, int], PolicyRecord | None]:
         return self.store.group_counts(self.run_id), self.store.latest_policy(self.run_id)
 
     def _refresh_metrics(self) -> None:

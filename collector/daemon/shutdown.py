@@ -37,6 +37,7 @@ from sandpiper.errors import StoreError
 
 if TYPE_CHECKING:
     from sandpiper.collector.daemon.store_role import CollectorStore
+    from sandpiper.store.writer import GroupSink, GroupWriter
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,9 @@ async def call_bounded(fn: Callable[..., T], *args: Any, timeout_s: float) -> T:
     return await asyncio.wait_for(asyncio.shield(done), max(timeout_s, 0.0))
 
 
-async def flush_until_stopped(writer: Any, stop: asyncio.Event, *, step_s: float = 1.0) -> bool:
+async def flush_until_stopped(
+    writer: GroupSink, stop: asyncio.Event, *, step_s: float = 1.0
+) -> bool:
     """Commit what ``writer`` holds, retrying until it is committed (True) or ``stop`` is set
     (False: the groups stay in the spool). For start-up, where an unbounded flush would let
     a store that is down hold a SIGTERM forever."""
@@ -104,7 +107,7 @@ async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> tuple[bool,
 
 
 async def final_commit(
-    writer: Any, store: CollectorStore, collector_id: str, deadline: float
+    writer: GroupSink, store: CollectorStore, collector_id: str, deadline: float
 ) -> None:
     """Commit the spool and free the collector's unfinished task slots, both by ``deadline``
     (``time.monotonic()``). Groups not committed by then stay in the spool, said in one log
@@ -129,7 +132,7 @@ async def final_commit(
         log.info("released %d unfinished task slots", freed)
 
 
-def close_writer(writer: Any) -> None:
+def close_writer(writer: GroupWriter) -> None:
     """Close ``writer`` if it has committed everything; otherwise abandon it (closing would
     flush without a deadline): its groups stay in the spool and the spool is released."""
     left = writer.pending()

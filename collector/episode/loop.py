@@ -47,7 +47,7 @@ from sandpiper.collector.episode.parsers import ParsedToolCall, submission_answe
 from sandpiper.collector.episode.policy import Policy, PolicySession, Stopped
 from sandpiper.collector.episode.tools.base import ToolResult
 from sandpiper.collector.rewards.worker import score_answer
-from sandpiper.collector.sandbox.base import ExecOutcome, ToolSandbox
+from sandpiper.collector.sandbox.base import ExecOutcome, SandboxSource, ToolSandbox
 from sandpiper.collector.tasks.model import DEFAULT_TESTS_DEST, Task
 from sandpiper.config import SamplingLimits
 from sandpiper.errors import SandboxError, SandboxLostError, SandpiperError, TaskError
@@ -82,14 +82,6 @@ ToolboxFactory = Callable[[ToolSandbox, Task], ToolRunner]
 EpisodeFn = Callable[..., Awaitable[EpisodeRecord]]
 """Runs one episode in a sandbox it is given (keywords: episode_id, sample_index, task,
 sandbox, toolbox, limits)."""
-
-
-class SandboxSource(Protocol):
-    """Where episodes get their sandbox (``ImagePools`` implements it)."""
-
-    async def acquire(self, *, episode_id: str, task_id: str, image: str | None = None) -> Any: ...
-
-    async def release(self, sandbox: Any, *, broken: bool = False) -> None: ...
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ from sandpiper.store.records import (
 )
 
 if TYPE_CHECKING:
-    from sandpiper.store.writer import GroupWriter
+    from sandpiper.store.writer import GroupSink, GroupWriter
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class StoringGateway(Gateway):
     def __init__(
         self,
         *,
-        writer: Any,
+        writer: GroupSink,
         run_id: str,
         sampling: GroupSampling,
         time_limit_s: float = DEFAULT_TIME_LIMIT_S,

@@ -138,3 +138,17 @@ class ToolSandbox(Sandbox, Protocol):
     async def grade(self, request: GradeRequest) -> GradeResult: ...
 
     async def kill_all(self) -> None: ...
+
+
+class SandboxSource(Protocol):
+    """Where episodes get their sandbox: the episode loop (``run_pooled_episode``) and the
+    collector take one per episode and give it back. ``ImagePools`` implements it, and the
+    test fake (:class:`sandpiper.testing.FakePool`)."""
+
+    async def acquire(
+        self, *, episode_id: str, task_id: str, image: str | None = None
+    ) -> ToolSandbox: ...
+
+    async def release(self, sandbox: ToolSandbox, *, broken: bool = False) -> None:
+        """Give ``sandbox`` back; ``broken`` replaces it instead of reusing it."""
+        ...

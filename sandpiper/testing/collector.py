@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,6 +27,9 @@ from sandpiper.testing.sandbox import FakeSandbox
 
 if TYPE_CHECKING:
     from sandpiper.collector.daemon.store_role import CollectorStore
+    from sandpiper.collector.sandbox.base import SandboxSource, ToolSandbox
+    from sandpiper.store.records import GroupRecord
+    from sandpiper.store.writer import GroupSink, OnOutcome
 
 FAKE_TOOL_SCHEMAS = [
     {
@@ -226,12 +230,15 @@ class FakeWriter:
     """Acknowledges groups and "commits" them into a FakeStore at once, reporting outcomes
     (idempotent by group id; a slot whose lease changed is superseded)."""
 
+    spool: Path | None = None
+    """No spool: a put is committed at once."""
+
     def __init__(self, store: FakeStore) -> None:
         self.store = store
-        self.groups: list = []
-        self.on_outcome = None
+        self.groups: list[GroupRecord] = []
+        self.on_outcome: OnOutcome | None = None
 
-    def put(self, group) -> None:
+    def put(self, group: GroupRecord) -> None:
         from sandpiper.store.records import GroupStatus, Split, WriteOutcome
 
         seq = int(group.group_id.rpartition("/")[2])
@@ -255,6 +262,9 @@ class FakeWriter:
         return 0
 
     def flush(self, timeout_s: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -292,7 +302,7 @@ class FakePool:
         self._boxes.append(box)
         return box
 
-    async def release(self, sandbox: FakeSandbox, *, broken: bool = False) -> None:
+    async def release(self, sandbox: ToolSandbox, *, broken: bool = False) -> None:
         self.released.append((sandbox.id, broken))
 
     @contextlib.asynccontextmanager
@@ -318,5 +328,7 @@ class ReloadablePolicy(ScriptedPolicy):
         self.version = version
 
 
-if TYPE_CHECKING:  # mypy holds the fake to the Protocol the daemon's ``store`` is typed with
+if TYPE_CHECKING:  # mypy holds the fakes to the Protocols the daemon's doors are typed with
     _FAKE_STORE: CollectorStore = FakeStore()
+    _FAKE_WRITER: GroupSink = FakeWriter(FakeStore())
+    _FAKE_POOL: SandboxSource = FakePool()
