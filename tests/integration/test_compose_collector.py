@@ -8,7 +8,6 @@ the image's first build, the server's start)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import uuid
 from pathlib import Path
@@ -23,11 +22,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.long,
     pytest.mark.timeout(2400),
-    pytest.mark.skipif(
-        os.environ.get("SANDPIPER_TEST_COMPOSE") != "1",
-        reason="opt-in (SANDPIPER_TEST_COMPOSE=1) until it has passed in a fresh-clone CI: "
-        "docs/gpu.md, 'With compose'",
-    ),
 ]
 
 RUN = "it-compose"

@@ -27,11 +27,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.long,
     pytest.mark.timeout(2400),
-    pytest.mark.skipif(
-        os.environ.get("SANDPIPER_TEST_COMPOSE") != "1",
-        reason="opt-in (SANDPIPER_TEST_COMPOSE=1) until it has passed in a fresh-clone CI: "
-        "docs/gpu.md, 'With compose'",
-    ),
 ]
 
 RUN = "compose-cpu"  # configs/compose-cpu.toml
