@@ -231,12 +231,12 @@ async def main(args: argparse.Namespace) -> dict:
 def bench_model(name: str) -> Path:
     """A fresh tiny model, or the real-model fixture (imported when missing)."""
     if name == "tiny":
-        from sandpiper.tiny_model import init_tiny_model
+        from sandpiper.models.tiny import init_tiny_model
 
         return init_tiny_model(Path(tempfile.mkdtemp()) / "tiny-model")
     folder = REPO / "runs" / "smollm2-135m"
     if not (folder / "config.json").is_file():
-        from sandpiper.model_import import import_model, smollm2_gguf
+        from sandpiper.models.importer import import_model, smollm2_gguf
 
         import_model(smollm2_gguf(), folder)
     return folder

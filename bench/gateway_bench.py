@@ -391,7 +391,7 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
         model_dir = model_dir or str(REPO / "runs/tiny-model")
     elif url is None:
         from sandpiper.collector.inference.vllm_server import VLLMServer
-        from sandpiper.tiny_model import init_tiny_model
+        from sandpiper.models.tiny import init_tiny_model
 
         scratch = tempfile.mkdtemp(prefix="gateway-bench-")
         model_dir = init_tiny_model(Path(scratch) / "tiny-model")

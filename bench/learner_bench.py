@@ -1,6 +1,6 @@
 """Learner throughput vs TRL's GRPOTrainer: one optimisation step on the same batch.
 
-Both sides train the same tiny model (``sandpiper.tiny_model``) on the same batch of
+Both sides train the same tiny model (``sandpiper.models.tiny``) on the same batch of
 precomputed completions (variable prompt and completion lengths, GRPO groups), generation
 excluded:
 
@@ -173,12 +173,12 @@ def model_dir_for(name: str) -> Path:
 def bench_model(name: str, tmp: Path) -> tuple[Path, int]:
     """(model folder, vocabulary size) of the model the bench trains."""
     if name == "tiny":
-        from sandpiper.tiny_model import VOCAB_SIZE, init_tiny_model
+        from sandpiper.models.tiny import VOCAB_SIZE, init_tiny_model
 
         return init_tiny_model(tmp / "tiny", seed=0), VOCAB_SIZE
     folder = Path(__file__).resolve().parent.parent / "runs" / "smollm2-135m"
     if not (folder / "config.json").is_file():
-        from sandpiper.model_import import import_model, smollm2_gguf
+        from sandpiper.models.importer import import_model, smollm2_gguf
 
         import_model(smollm2_gguf(), folder)
     return folder, json.loads((folder / "config.json").read_text())["vocab_size"]

@@ -89,8 +89,8 @@ def make_start(settings: RaceSettings, root: Path, train: Path, start: Path) -> 
         ensure_model(str(settings.model_dir))
         shutil.copytree(settings.model_dir, start)
         # SmolLM2's own template has no tools; TRL's environment_factory refuses it. Both
-        # sides get the Hermes tool template the tiny model ships (sandpiper/data).
-        shutil.copy(REPO / "sandpiper" / "data" / "chat_template.jinja", start)
+        # sides get the Hermes tool template the tiny model ships (sandpiper/models/data).
+        shutil.copy(REPO / "sandpiper" / "models" / "data" / "chat_template.jinja", start)
         return
     # the peer rows are demonstrated as they are imported (their instruction, the file in
     # /workspace/documents/): a start made on the demo's sum tasks never solved one (held-out

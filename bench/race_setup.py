@@ -83,7 +83,7 @@ class RaceSettings:
 
 
 TOOL_LINE = '{{- "\\n" + (tool | tojson) -}}'
-"""How the Hermes tool template (sandpiper/data, the tiny model's) renders one tool schema."""
+"""How the Hermes tool template (sandpiper/models/data, the tiny model's) renders one tool schema."""
 
 CANONICAL_TOOL_LINE = (
     "{%- set fn = tool.function if tool.function is defined else tool -%}"

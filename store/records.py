@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from sandpiper.config_parts import SamplingLimits
+    from sandpiper.config import SamplingLimits
 
 
 def utcnow() -> datetime:
@@ -297,7 +297,7 @@ class GroupSampling:
     @classmethod
     def from_limits(cls, limits: SamplingLimits) -> GroupSampling:
         """The record of episodes sampled under ``limits`` (the collector's and the gateway's
-        groups): the run's one :class:`~sandpiper.config_parts.SamplingLimits`, stored in
+        groups): the run's one :class:`~sandpiper.config.SamplingLimits`, stored in
         this record's own JSON form (which earlier releases' values still read into)."""
         return cls(
             temperature=limits.temperature,

@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from sandpiper.config import LearnerConfig, _parse_value
+from sandpiper.config import LearnerConfig
+from sandpiper.config.loading import _parse_value
 from sandpiper.errors import ConfigError, LearnerError
 from sandpiper.store.records import TrainGroup
 from sandpiper.trainer.advantages import batch_advantages

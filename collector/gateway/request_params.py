@@ -37,7 +37,7 @@ from typing import Any
 from sandpiper.collector.gateway.openai_api import APIError
 from sandpiper.collector.inference.base import Generation, SamplingParams
 from sandpiper.config import SamplingLimits
-from sandpiper.config_parts import MAX_TEMPERATURE
+from sandpiper.config.sections import MAX_TEMPERATURE
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import errno
 import os
 import re
 
-from sandpiper.config_checks import redact
+from sandpiper.config.checks import redact
 
 NO_SPACE = "No space left on device"
 

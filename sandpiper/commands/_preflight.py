@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sandpiper.config import RunConfig
-from sandpiper.config_checks import redact
+from sandpiper.config.checks import redact
 from sandpiper.errors import SetupError, StoreError
 
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

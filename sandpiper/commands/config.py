@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
     def docs() -> None:
         """Print every section and field with its type, default, bounds and meaning, and the
         rules across fields, as Markdown (docs/configuration.md is this output)."""
-        from sandpiper.config_doc import render
+        from sandpiper.commands._config_doc import render
 
         typer.echo(render(), nl=False)
 

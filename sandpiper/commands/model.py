@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         """Write a ~1M-parameter random Qwen2 model, BPE tokenizer and tool chat template.
 
         The same seed writes byte-identical files."""
-        from sandpiper.tiny_model import count_parameters, init_tiny_model
+        from sandpiper.models.tiny import count_parameters, init_tiny_model
 
         _deepspeed_on_cpu()
         with cli_errors():
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         layer gets its own copy of a tied embedding, so in-place reloads update it), the
         tokenizer with its chat template, and the generation config. GGUF weights are
         de-quantized."""
-        from sandpiper.model_import import import_model, smollm2_gguf
+        from sandpiper.models.importer import import_model, smollm2_gguf
 
         _deepspeed_on_cpu()
         with cli_errors():

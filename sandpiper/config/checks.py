@@ -1,6 +1,6 @@
 """What a run config refuses, and how a refusal reads.
 
-Bounds of single fields sit on the fields of :mod:`sandpiper.config` (``Field(gt=…, ge=…,
+Bounds of single fields sit on the fields of :mod:`sandpiper.config.sections` (``Field(gt=…, ge=…,
 le=…)``); the rules here are the ones that need several fields (GRPO's group size, the clip
 range of each objective, token budgets that nest, ports that fit). Every refusal becomes one
 line naming where the value came from (the config file or the ``--part.field`` override),
@@ -10,7 +10,8 @@ the field, the value and what is allowed::
     override --collector.group_size: collector.group_size = 1: GRPO compares the samples ...
 
 This module imports only pydantic and the standard library (``sandpiper --help`` imports it),
-and not :mod:`sandpiper.config` (which calls it): the rules take the sections as ``Any``.
+and not the sections (:mod:`sandpiper.config.sections`, which call it): the rules take
+the sections as ``Any``.
 """
 
 from __future__ import annotations

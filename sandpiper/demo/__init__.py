@@ -6,6 +6,6 @@
   warm start, GRPO with the collector and the learner, the report).
 
 The CLI command is ``sandpiper/commands/demo.py``; the tiny model it trains is built by
-:mod:`sandpiper.tiny_model` (``sandpiper model init-tiny``), which tests use too. Nothing
+:mod:`sandpiper.models.tiny` (``sandpiper model init-tiny``), which tests use too. Nothing
 below the CLI imports this package (the import contracts in ``.importlinter``).
 """

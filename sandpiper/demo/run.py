@@ -334,6 +334,6 @@ def ensure_model(path: str) -> None:
     fixture that ``make setup`` builds and it is missing."""
     if Path(path, "config.json").is_file() or Path(path).name != "smollm2-135m":
         return
-    from sandpiper.model_import import import_model, smollm2_gguf
+    from sandpiper.models.importer import import_model, smollm2_gguf
 
     import_model(smollm2_gguf(), path)

@@ -52,7 +52,7 @@ def test_the_wheel_has_one_top_level_name_and_every_part(wheel: Path) -> None:
     # Files the parts read at run time, not only modules.
     assert "sandpiper/collector/sandbox/supervisor/__main__.py" in names
     assert "sandpiper/analysis/templates/report.html.j2" in names
-    assert "sandpiper/data/chat_template.jinja" in names
+    assert "sandpiper/models/data/chat_template.jinja" in names
 
 
 def test_the_installed_wheel_imports_as_sandpiper_parts_only(wheel: Path, tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ def test_reloaded_tied_model_serves_the_learners_matrices_from_another_cwd(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the `cpu` extra")
-    from sandpiper.model_import import import_model
+    from sandpiper.models.importer import import_model
 
     tied = _tied_tiny_model(tmp_path / "tied")
     with pytest.raises(ConfigError, match="sandpiper model import"):

@@ -34,7 +34,7 @@ def _config(max_lag: int = 2, **collector) -> RunConfig:
     base = {"group_size": 2, "max_concurrent_episodes": 4, "policy_poll_s": 0.05}
     base.update(status_interval_s=60.0, max_unconsumed_groups=1000)
     base.update(collector)
-    # processed logprobs: GRPO at a temperature other than 1 needs them (config_checks)
+    # processed logprobs: GRPO at a temperature other than 1 needs them (config/checks.py)
     inference = {"logprobs_mode": "processed_logprobs"}
     return RunConfig.model_validate(
         {"name": "run", "collector": base, "learner": {"max_lag": max_lag}, "inference": inference}

@@ -1,13 +1,15 @@
 """Every number of every config class has bounds, and a value past one is refused in one line.
 
-The walk finds the config classes itself (every pydantic model of ``sandpiper.config`` and
-``sandpiper.config_parts``), so a new numeric field without a bound, or a new class, fails
-here until it gets one.
+The walk finds the config classes itself (every pydantic model of every module of
+``sandpiper.config``), so a new numeric field without a bound, or a new class, fails here
+until it gets one.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,8 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel, ValidationError
 
 import sandpiper.config
-import sandpiper.config_parts
 from sandpiper.config import RunConfig, load_config
-from sandpiper.config_checks import walk_numeric
+from sandpiper.config.checks import walk_numeric
 from sandpiper.errors import ConfigError
 
 OPEN = {
@@ -32,7 +33,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _config_classes() -> list[type[BaseModel]]:
     found = {}
-    for module in (sandpiper.config, sandpiper.config_parts):
+    modules = [
+        importlib.import_module(f"sandpiper.config.{info.name}")
+        for info in pkgutil.iter_modules(sandpiper.config.__path__)
+    ]
+    assert modules, "no module found in sandpiper.config"
+    for module in modules:
         for _, obj in inspect.getmembers(module, inspect.isclass):
             if issubclass(obj, BaseModel) and obj.__module__ == module.__name__:
                 found[obj.__qualname__] = obj
@@ -145,7 +151,7 @@ def test_a_parts_settings_refuse_what_the_config_refuses(cls, name, info, t) -> 
 
 
 def test_docs_configuration_md_is_current() -> None:
-    from sandpiper.config_doc import render
+    from sandpiper.commands._config_doc import render
 
     page = (REPO / "docs" / "configuration.md").read_text()
     assert page == render(), (
@@ -154,7 +160,7 @@ def test_docs_configuration_md_is_current() -> None:
 
 
 def test_the_docs_list_every_field_with_its_bounds() -> None:
-    from sandpiper.config_doc import render
+    from sandpiper.commands._config_doc import render
 
     page = render()
     for section, info in RunConfig.model_fields.items():

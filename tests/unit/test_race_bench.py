@@ -72,7 +72,7 @@ def test_both_configs_carry_the_same_settings(suite) -> None:
 
 def test_sandpiper_side_serves_on_a_free_port_not_the_default(suite) -> None:
     """A test beside the race (the demo's) may hold 8100: the collector would refuse it."""
-    from sandpiper.config_parts import InferenceConfig
+    from sandpiper.config import InferenceConfig
 
     sp = suite[4]
     assert sp.inference.base_port != InferenceConfig().base_port
@@ -281,7 +281,7 @@ def test_both_sides_render_the_same_prompt(learner_tiny_model: Path) -> None:
 
     repo = BENCH.parent
     tok = AutoTokenizer.from_pretrained(learner_tiny_model)
-    tok.chat_template = (repo / "sandpiper" / "data" / "chat_template.jinja").read_text()
+    tok.chat_template = (repo / "sandpiper" / "models" / "data" / "chat_template.jinja").read_text()
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
     ours = offered_schemas(["execute_bash", "submit"], "brief")
 

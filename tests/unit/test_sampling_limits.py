@@ -16,7 +16,7 @@ NON_DEFAULT = {
         "max_argument_bytes": 4096, "system_prompt": "Be terse.", "gateway_sampling": "client",
     },
     "inference": {"max_model_len": 4096},
-    "learner": {"algo": "sft"},  # GRPO refuses top_p < 1 (config_checks.check_scoring)
+    "learner": {"algo": "sft"},  # GRPO refuses top_p < 1 (config/checks.py: check_scoring)
 }  # fmt: skip
 
 

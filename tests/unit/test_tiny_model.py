@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sandpiper.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, count_parameters, init_tiny_model
+from sandpiper.models.tiny import SPECIAL_TOKENS, TOOL_TOKENS, count_parameters, init_tiny_model
 
 CPU_HEAD_SIZES = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
 

@@ -1,14 +1,14 @@
 """Generate ``corpus.txt``, the tokenizer training text shipped with Sandpiper.
 
 The tiny model's byte-level BPE tokenizer is trained on this file (see
-:mod:`sandpiper.tiny_model`). The text is produced deterministically from the templates and
+:mod:`sandpiper.models.tiny`). The text is produced deterministically from the templates and
 word lists below (``random.Random(0)``), so regenerating it gives the same bytes. It mixes
 plain English, Python and shell code, arithmetic with ``\\boxed{}`` answers and Hermes-style
 tool calls and tool responses, which is what the agent loop renders.
 
 Regenerate with::
 
-    python -m sandpiper.data.make_corpus   # writes sandpiper/data/corpus.txt
+    python -m sandpiper.models.data.make_corpus   # writes sandpiper/models/data/corpus.txt
 """
 
 from __future__ import annotations
