@@ -1,6 +1,10 @@
-"""``trainer/ranks.py``: two gloo processes whose collectives time out after one second meet
-before a broadcast that rank 0 reaches three seconds late, and a rank that fails releases
-the one waiting for it. Plain torch.distributed (no DeepSpeed), about 10 s."""
+"""``trainer/ranks.py``: two gloo processes whose collectives time out after three seconds meet
+before a broadcast that rank 0 reaches nine seconds late, and a rank that fails releases
+the one waiting for it. Plain torch.distributed (no DeepSpeed), about 15 s.
+
+Three seconds, not one: with one, the broadcast itself timed out once under a loaded suite
+(a rank not scheduled for a second on two busy cores); the proof is the same at any timeout
+shorter than rank 0's lateness."""
 
 from __future__ import annotations
 
@@ -24,11 +28,11 @@ SCRIPT = textwrap.dedent(
     rank, mode = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     # what init_distributed does with learner.collective_timeout_s
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=1))
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=3))
     world = World(rank, 2, None)
     if mode == "late":
         if rank == 0:
-            time.sleep(3)  # three timeouts' worth: a plain broadcast would fail on rank 1
+            time.sleep(9)  # three timeouts' worth: a plain broadcast would fail on rank 1
         print("got", broadcast_from_main("hello" if rank == 0 else None, world), flush=True)
     else:  # rank 1 fails, rank 0 waits for it
         if rank == 1:
