@@ -16,9 +16,9 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +45,19 @@ commit; 16,384 rows ~1.0 s but every other close re-checkpointed for +1.1 s; 8,1
 ~1.0 s steadily. DuckDB does not persist this option in the file: every read-write open
 attaches with it.
 """
+
+
+class Connections(Protocol):
+    """What the store's rooms (``store.leases``, ``store.policy_versions``) need of the
+    ``Store`` that composes them: its transactions (``store.Store`` provides them)."""
+
+    def transaction(self) -> AbstractContextManager[sa.Connection]:
+        """One write transaction (schema checked), committed on a clean exit."""
+        ...
+
+    def connect_readonly(self) -> AbstractContextManager[sa.Connection]:
+        """One read-only connection (schema checked)."""
+        ...
 
 
 def _raw(conn: sa.Connection) -> Any:

@@ -121,3 +121,28 @@ def check(conn: sa.Connection, fence: Fence, *, skip_locked: bool, lock: str = "
             f"term {fence.term} was superseded, {holder} holds the lease now; its write "
             "was refused and it must stop"
         )
+
+
+class Leases:
+    """The run's learner lease (the functions above), each call in one of ``db``'s
+    transactions. ``Store`` composes it as ``store.leases``."""
+
+    def __init__(self, db: backends.Connections) -> None:
+        self.db = db
+
+    def acquire(self, *, run_id: str, learner_id: str, lease_s: float) -> LeaseRecord:
+        """Take or renew the run's learner lease; ``.held`` says whether the caller has it."""
+        with self.db.transaction() as conn:
+            return acquire(conn, run_id=run_id, learner_id=learner_id, lease_s=lease_s)
+
+    def renew(self, fence: Fence, *, lease_s: float) -> LeaseRecord:
+        with self.db.transaction() as conn:
+            return renew(conn, fence, lease_s=lease_s)
+
+    def release(self, fence: Fence) -> None:
+        with self.db.transaction() as conn:
+            release(conn, fence)
+
+    def current(self, run_id: str) -> LeaseRecord | None:
+        with self.db.connect_readonly() as conn:
+            return current(conn, run_id)

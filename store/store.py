@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from sandpiper.errors import DuplicateGroupError, PolicyConflictError, StoreError
+from sandpiper.errors import DuplicateGroupError, StoreError
 from sandpiper.store import backends, leases, migrations, schema
 from sandpiper.store.backends import DuckDBBackend, make_backend
 from sandpiper.store.claims import claim_groups, load_episodes
+from sandpiper.store.policies import PolicyVersions
 from sandpiper.store.records import (
     CollectorRecord,
     Fence,
@@ -59,6 +60,10 @@ class Store:
         self.lock_timeout_s = lock_timeout_s
         self.backend = make_backend(url, lock_timeout_s=lock_timeout_s)
         self._checked = False
+        self.leases = leases.Leases(self)
+        """The run's learner lease (``store/leases.py``)."""
+        self.policy_versions = PolicyVersions(self)
+        """Registered policy versions and learner steps (``store/policies.py``)."""
 
     @property
     def is_duckdb(self) -> bool:
@@ -170,6 +175,8 @@ class Store:
         with self.transaction() as conn:
             conn.execute(upsert, rows)
 
+    # ---- policies (store/policies.py: PolicyVersions, composed as ``policy_versions``) ---
+
     def register_policy(
         self,
         policy: PolicyRecord,
@@ -178,113 +185,34 @@ class Store:
         metrics: dict | None = None,
         fence: Fence | None = None,
     ) -> None:
-        """Insert the policy; with a learner step, also the step and consume its claim.
-
-        One transaction, one INSERT: a version that exists already, or a parent that is not
-        the latest version, raises :class:`PolicyConflictError` (never a silent no-op), and
-        with ``fence`` a learner that is no longer in charge gets :class:`NotLeaderError`.
-        """
-        pol = T.policies
-        with self.transaction() as conn:
-            if fence is not None:
-                leases.check(conn, fence, skip_locked=backends.is_postgres(conn))
-            latest = conn.execute(
-                sa.select(sa.func.max(pol.c.version)).where(pol.c.run_id == policy.run_id)
-            ).scalar()
-            if latest != policy.parent_version:
-                raise PolicyConflictError(
-                    f"cannot register version {policy.version} of run {policy.run_id} with "
-                    f"parent {policy.parent_version}: the latest registered version is "
-                    f"{latest}; another learner registered in between"
-                )
-            try:
-                conn.execute(sa.insert(pol).values(**_policy_row(policy)))
-            except sa.exc.DBAPIError as e:
-                if not _is_unique_violation(e):
-                    raise
-                raise PolicyConflictError(
-                    f"policy version {policy.version} of run {policy.run_id} is already "
-                    "registered; not registering it twice"
-                ) from e
-            if policy.learner_step is None:
-                return
-            n_groups = 0
-            if claim_id is not None:
-                n_groups = self._consume(conn, claim_id, policy.learner_step)
-            conn.execute(
-                sa.insert(T.learner_steps).values(
-                    run_id=policy.run_id,
-                    step=policy.learner_step,
-                    policy_version=policy.version,
-                    claim_id=claim_id,
-                    n_groups=n_groups,
-                    metrics=metrics or {},
-                    created_at=utcnow(),
-                )
-            )
-
-    def _consume(self, conn: sa.Connection, claim_id: str, step: int) -> int:
-        gs = T.group_states
-        n = conn.execute(
-            sa.update(gs)
-            .where(gs.c.claim_id == claim_id, gs.c.status == GroupStatus.CLAIMED.value)
-            .values(status=GroupStatus.CONSUMED.value, consumed_by_step=step, updated_at=utcnow())
-        ).rowcount
-        if n == 0:
-            raise StoreError(
-                f"claim {claim_id} holds no groups (its lease expired and another learner "
-                "re-took them, or it was released); not registering a policy trained on it"
-            )
-        return n
+        """See :meth:`PolicyVersions.register <sandpiper.store.policies.PolicyVersions.register>`."""
+        self.policy_versions.register(policy, claim_id=claim_id, metrics=metrics, fence=fence)
 
     def latest_policy(self, run_id: str) -> PolicyRecord | None:
-        pol = T.policies
-        with self.connect_readonly() as conn:
-            row = conn.execute(
-                sa.select(pol).where(pol.c.run_id == run_id).order_by(pol.c.version.desc()).limit(1)
-            ).one_or_none()
-        return None if row is None else _policy_record(row)
+        return self.policy_versions.latest(run_id)
 
     def policies(self, run_id: str) -> list[PolicyRecord]:
         """Every registered version of ``run_id``, oldest first."""
-        pol = T.policies
-        with self.connect_readonly() as conn:
-            rows = conn.execute(
-                sa.select(pol).where(pol.c.run_id == run_id).order_by(pol.c.version)
-            ).all()
-        return [_policy_record(r) for r in rows]
+        return self.policy_versions.all(run_id)
 
     def oldest_version_in_flight(self, run_id: str) -> int | None:
         """Oldest policy version sampled by a group not consumed yet (READY or CLAIMED)."""
-        g, gs = T.groups, T.group_states
-        live = (GroupStatus.READY.value, GroupStatus.CLAIMED.value)
-        q = (
-            sa.select(sa.func.min(g.c.min_policy_version))
-            .select_from(g.join(gs, gs.c.group_id == g.c.group_id))
-            .where(gs.c.run_id == run_id, gs.c.status.in_(live))
-        )
-        with self.connect_readonly() as conn:
-            found = conn.execute(q).scalar()
-        return None if found is None else int(found)
+        return self.policy_versions.oldest_in_flight(run_id)
 
-    # ---- learner leadership (store/leases.py) ----------------------------------------------
+    # ---- learner leadership (store/leases.py: Leases, composed as ``leases``) -------------
 
     def acquire_lease(self, *, run_id: str, learner_id: str, lease_s: float) -> LeaseRecord:
         """Take or renew the run's learner lease; ``.held`` says whether the caller has it."""
-        with self.transaction() as conn:
-            return leases.acquire(conn, run_id=run_id, learner_id=learner_id, lease_s=lease_s)
+        return self.leases.acquire(run_id=run_id, learner_id=learner_id, lease_s=lease_s)
 
     def renew_lease(self, fence: Fence, *, lease_s: float) -> LeaseRecord:
-        with self.transaction() as conn:
-            return leases.renew(conn, fence, lease_s=lease_s)
+        return self.leases.renew(fence, lease_s=lease_s)
 
     def release_lease(self, fence: Fence) -> None:
-        with self.transaction() as conn:
-            leases.release(conn, fence)
+        self.leases.release(fence)
 
     def current_lease(self, run_id: str) -> LeaseRecord | None:
-        with self.connect_readonly() as conn:
-            return leases.current(conn, run_id)
+        return self.leases.current(run_id)
 
     # ---- writing groups ------------------------------------------------------------------
 
@@ -627,36 +555,6 @@ def _rejected_message(report: WriteReport) -> str:
         "episodes (another collector produced it); 'superseded': its task slot was re-issued "
         "after its collector's heartbeat lapsed"
     )
-
-
-def _policy_record(row: Any) -> PolicyRecord:
-    return PolicyRecord(
-        run_id=row.run_id,
-        version=row.version,
-        checkpoint_uri=row.checkpoint_uri,
-        parent_version=row.parent_version,
-        learner_step=row.learner_step,
-        created_at=row.created_at,
-    )
-
-
-def _is_unique_violation(e: sa.exc.DBAPIError) -> bool:
-    """A duplicate key: psycopg's UniqueViolation, or DuckDB's ConstraintException."""
-    if isinstance(e, sa.exc.IntegrityError):
-        return True
-    text = str(e.orig).lower()
-    return "duplicate key" in text or "constraint" in text
-
-
-def _policy_row(p: PolicyRecord) -> dict[str, Any]:
-    return {
-        "run_id": p.run_id,
-        "version": p.version,
-        "checkpoint_uri": p.checkpoint_uri,
-        "parent_version": p.parent_version,
-        "learner_step": p.learner_step,
-        "created_at": p.created_at,
-    }
 
 
 def _json_value(text: str) -> Any:
