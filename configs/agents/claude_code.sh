@@ -6,8 +6,9 @@
 # Every built-in tool is off (`--tools ""`: no Bash, Read, Edit, Write on the collector's host)
 # and the only MCP server is the episode's sandbox (`--strict-mcp-config` ignores any other
 # config): its commands, reads and edits run in the episode's podman sandbox. Its own system
-# prompt is kept (~3k tokens); `--small-model` replaces it with one line, for the small models
-# this project runs on CPU. CLAUDE overrides the binary (default: `claude` on PATH, else
+# prompt is kept (3,123 SmolLM2 / 5,268 tiny-model tokens with its tools, measured in
+# bench/results/agent_prompts/prompt_tokens.json); `--small-model` replaces it with one line
+# (1,596 / 2,496), for the small models this project runs on CPU. CLAUDE overrides the binary (default: `claude` on PATH, else
 # runs/agents/node_modules/.bin).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
