@@ -161,7 +161,7 @@ async def bench(n_commands: int, n_podman: int) -> dict[str, float]:
 
 async def _legacy_submit(box: PodmanSandbox, tests, answer: bytes) -> float:
     """The pre-issue-14 submit path; returns its overhead in ms (wall minus the test)."""
-    import sandpiper.collector.rewards.test_results as reward_module
+    import sandpiper.collector.rewards.result_formats as reward_module
 
     started = time.perf_counter()
     await box.kill_all()
@@ -179,7 +179,7 @@ async def _legacy_submit(box: PodmanSandbox, tests, answer: bytes) -> float:
 
 
 async def _grade(box: PodmanSandbox, tests, answer: bytes) -> tuple[float, dict]:
-    from sandpiper.collector.rewards.test_results import reward_from_result
+    from sandpiper.collector.rewards.result_formats import reward_from_result
     from sandpiper.collector.sandbox.base import GradeRequest
 
     started = time.perf_counter()

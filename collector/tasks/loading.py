@@ -16,7 +16,7 @@ Sources the collector accepts (``collector.tasks`` in the config):
       <task_id>/instruction.md   what the agent is asked
       <task_id>/files/           seed files, copied into /workspace before the episode
       <task_id>/tests/run.sh     test script; it reports in the declared result format
-                                 (rewards/test_results.py); tests/ reaches the sandbox only
+                                 (rewards/result_formats.py); tests/ reaches the sandbox only
                                  at submit, and runs as a uid the agent never has
       <task_id>/setup.sh         optional, run in /workspace before the episode
       <task_id>/task.toml        optional: image, reward, answer, banned_patterns,
@@ -136,7 +136,7 @@ TASK_TOML_KEYS = {
     '`bash "$TESTS_DIR/run.sh"` when `tests/` exists).',
     "result_format": "How the tests report their reward: `result_file` (default: JSON "
     '`{"reward": x}` or `{"passed": n, "total": m}` in `$SANDPIPER_RESULT_FILE`), '
-    "`tagged_line`, `reward_file`, `exit_status` (rewards/test_results.py).",
+    "`tagged_line`, `reward_file`, `exit_status` (rewards/result_formats.py).",
     "subject_command": "Runs the agent's code as the agent before the tests; what it writes "
     "to `$SUBJECT_OUT` is frozen read-only for the tests (docs/security.md).",
     "tests_see_agent_processes": "`true`: what the agent left running stays alive for the "
@@ -267,7 +267,7 @@ def load_task_folder(folder: str | Path) -> Task:
 
 
 def _result_format(meta: dict[str, Any], where: str) -> str:
-    from sandpiper.collector.rewards.test_results import DEFAULT_RESULT_FORMAT, RESULT_FORMATS
+    from sandpiper.collector.rewards.result_formats import DEFAULT_RESULT_FORMAT, RESULT_FORMATS
 
     value = meta.get("result_format", DEFAULT_RESULT_FORMAT)
     if value not in RESULT_FORMATS:

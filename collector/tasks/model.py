@@ -48,7 +48,7 @@ class Task:
     """Command that runs the tests; None = the toolbox's default for ``tests/``."""
     result_format: str = "result_file"
     """How the tests report (``result_file``, ``tagged_line``, ``exit_status``); see
-    :mod:`sandpiper.collector.rewards.test_results`. Nothing else the tests print is read."""
+    :mod:`sandpiper.collector.rewards.result_formats`. Nothing else the tests print is read."""
     tests_see_agent_processes: bool = False
     """Keep what the agent left running (a server) alive for the tests; off by default."""
     subject_command: str | None = None

@@ -349,7 +349,7 @@ def test_open_instruct_row_errors_are_clear_and_leave_nothing(tmp_path):
 )
 def test_reward_txt_is_read_as_open_instruct_reads_it(text, reward):
     """``float(stdout.strip())`` clamped to [0, 1]; anything that is not one number → 0."""
-    from sandpiper.collector.rewards.test_results import reward_from_result
+    from sandpiper.collector.rewards.result_formats import reward_from_result
 
     got, _ = reward_from_result("reward_file", result_text=text, stdout="", exit_code=0, secret="s")
     assert got == reward

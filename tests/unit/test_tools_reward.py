@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandpiper.collector.rewards.test_results import reward_from_result
+from sandpiper.collector.rewards.result_formats import reward_from_result
 
 SECRET = "s3cr3t"
 

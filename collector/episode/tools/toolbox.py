@@ -15,7 +15,7 @@ only then (so the agent cannot read them earlier), every process of the agent is
 the task's test command runs as a uid the agent never has, with a clean environment, in a
 workspace of plain files (see ``collector/sandbox/supervisor/grader.py``). The reward is read in the
 task's declared result format from where only the tests write
-(:mod:`sandpiper.collector.rewards.test_results`). The test command is task configuration (trusted); the tests
+(:mod:`sandpiper.collector.rewards.result_formats`). The test command is task configuration (trusted); the tests
 folder and the answer reach it as ``$TESTS_DIR`` and ``$ANSWER_FILE`` — never interpolated
 into a shell string.
 """
@@ -32,7 +32,7 @@ from sandpiper.collector.episode.parsers import argument_problem
 from sandpiper.collector.episode.tools.base import ToolResult
 from sandpiper.collector.episode.tools.editor import Editor, EditorError
 from sandpiper.collector.episode.tools.schemas import TOOL_SCHEMAS
-from sandpiper.collector.rewards.test_results import (
+from sandpiper.collector.rewards.result_formats import (
     DEFAULT_RESULT_FORMAT,
     RESULT_FORMATS,
     reward_from_result,

@@ -57,7 +57,7 @@ RESULT = os.environ.get("SANDPIPER_RESULT_FILE")
 
 
 def emit(result):
-    """The result goes where only the grader's uid writes (collector/rewards/test_results.py)."""
+    """The result goes where only the grader's uid writes (collector/rewards/result_formats.py)."""
     with open(RESULT, "w") as f:
         json.dump(result, f)
 
