@@ -40,7 +40,7 @@ import functools
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -252,6 +252,9 @@ class MemoryPlan:
     vllm: dict[str, int] = field(default_factory=dict)
     """The vLLM share (empty when no server shares the GPU)."""
     learner_peak: int = 0
+    checkpointing: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Both sides of ``learner.gradient_checkpointing`` ("on", "off"): the micro-batch's
+    ``activations``, the ``recompute_layer`` and the rank's ``peak``; the plan uses one."""
     vllm_bytes: int = 0
     total: int = 0
     fits: bool = False
@@ -387,6 +390,13 @@ def plan(
     if learner_ranks_on_gpu:
         out.learner, out.host = learner_terms(shape, setup)
         out.learner_peak = learner_ranks_on_gpu * learner_peak(out.learner, setup.device)
+        for on in (True, False):
+            terms = learner_terms(shape, replace(setup, gradient_checkpointing=on))[0]
+            out.checkpointing["on" if on else "off"] = {
+                "activations": terms["activations"],
+                "recompute_layer": terms["recompute_layer"],
+                "peak": learner_peak(terms, setup.device),
+            }
     if vllm is not None:
         out.vllm = vllm_terms(shape, vllm, gpu_bytes)
         out.vllm_bytes = out.vllm["budget"]

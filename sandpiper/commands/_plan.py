@@ -153,6 +153,14 @@ def render(plans: list[GpuPlan], *, model: str, shape: mp.ModelShape) -> str:
             for key, label in LEARNER_ROWS:
                 if key in p.learner:
                     lines.append(f"    {label:<30}{_gib(p.learner[key])} GiB")
+                if key == "recompute_layer" and p.checkpointing:
+                    other = "off" if s["gradient_checkpointing"] else "on"
+                    alt = p.checkpointing[other]
+                    lines.append(
+                        f"      with checkpointing {other}: activations "
+                        f"{_gib(alt['activations']).strip()} GiB, rank peak "
+                        f"{_gib(alt['peak']).strip()} GiB"
+                    )
             for key, value in p.host.items():
                 lines.append(f"    {key + ' (host memory)':<30}{_gib(value)} GiB")
             lines.append(f"    {'peak (with context, margin)':<30}{_gib(p.learner_peak)} GiB")
@@ -201,12 +209,12 @@ def check_fits(
     *,
     role: str,
     nproc: int | None = None,
-    device: Callable[[], tuple[str, int] | None] = cuda_device_bytes,
+    device: Callable[[], tuple[str, int] | None] | None = None,
 ) -> None:
     """Refuse (:class:`SetupError` with the table) a config whose ``role`` GPUs (``learner``
     or ``inference``) cannot hold what the planner adds up, on the CUDA device this host has.
     Without a CUDA device nothing is checked (the CPU paths are sized by the OS)."""
-    found = device()
+    found = (device or cuda_device_bytes)()
     if found is None:
         return
     if role == "inference" and (cfg.inference.server_urls or not cfg.inference.gpus):

@@ -151,6 +151,30 @@ def test_qwen3_4b_on_one_h200(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, q
     ].plan.fits
 
 
+def test_the_plan_shows_both_sides_of_checkpointing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qwen3_4b
+) -> None:
+    """The table and the JSON give the activations and the rank's peak with checkpointing on
+    and off, whichever the config chose; the chosen side is the one the plan adds up."""
+    monkeypatch.chdir(REPO)
+    cfg = _cfg(tmp_path, ONE_H200)
+    for chosen in (True, False):
+        cfg.learner.gradient_checkpointing = chosen
+        plans = plan_run(cfg, gpu="h200", gpu_bytes=mp.GPU_BYTES["h200"], shape=qwen3_4b)
+        plan = plans[0].plan
+        on, off = plan.checkpointing["on"], plan.checkpointing["off"]
+        used = on if chosen else off
+        assert used["activations"] == plan.learner["activations"]
+        assert used["peak"] == plan.learner_peak
+        assert on["activations"] * 10 < off["activations"] and on["peak"] < off["peak"]
+        assert off["recompute_layer"] == 0 < on["recompute_layer"]
+        other = "off" if chosen else "on"
+        table = render(plans, model=cfg.learner.model, shape=qwen3_4b)
+        assert f"with checkpointing {other}: activations" in table
+        doc = to_json(plans, model=cfg.learner.model, shape=qwen3_4b)
+        assert doc["gpus"][0]["checkpointing"][other]["peak"] > 0
+
+
 def test_qwen2_5_7b_on_eight_h100(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
     cfg = _cfg(tmp_path, EIGHT_H100)
@@ -176,6 +200,45 @@ def test_refuses_what_the_device_cannot_hold(tmp_path: Path, monkeypatch, qwen3_
     cfg.inference.gpus = []
     cfg.learner.gpus = []
     check_fits(cfg, role="inference", device=lambda: ("fake", GIB))  # vLLM not on a GPU here
+
+
+@pytest.mark.parametrize("command", ["learn", "collect"])
+def test_learn_and_collect_refuse_at_start_with_the_table(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the real commands: on a host whose CUDA device (faked) is too small, ``learn``
+    and ``collect`` exit 1 before anything starts, with the planner's table in the error."""
+    from typer.testing import CliRunner
+
+    from sandpiper.cli import app
+    from sandpiper.commands import _plan, _preflight
+
+    model = tmp_path / "qwen3-4b"
+    model.mkdir()
+    (model / "config.json").write_bytes((MODELS / "qwen3-4b" / "config.json").read_bytes())
+    (model / "model.safetensors").write_bytes(b"")  # check_model wants weights; none are read
+    config = tmp_path / "run.toml"
+    config.write_text(
+        ONE_H200.replace('"configs/models/qwen3-4b"', f'"{model}"').replace(
+            "configs/deepspeed_zero2.json", str(REPO / "configs" / "deepspeed_zero2.json")
+        )
+    )
+    monkeypatch.chdir(tmp_path)  # runs/ and the store under the test's folder
+    monkeypatch.setattr(_plan, "cuda_device_bytes", lambda: ("fake-24gb", 24 * GIB))
+    monkeypatch.setattr(_preflight, "collector_ready", lambda cfg, **kw: None)
+    started: list[str] = []
+    monkeypatch.setattr(
+        "sandpiper.collector.daemon.launch.run_collector_process", lambda cfg: started.append("c")
+    )
+    monkeypatch.setattr("sandpiper.trainer.main.run_learner", lambda cfg: started.append("l"))
+    done = CliRunner().invoke(app, [command, "-c", str(config)])
+    assert done.exit_code == 1, done.output
+    assert "does not fit on fake-24gb" in done.output and "vLLM share" in done.output
+    assert not started
+    # the same config on a device that holds it starts (the start itself is faked here)
+    monkeypatch.setattr(_plan, "cuda_device_bytes", lambda: ("h200", mp.GPU_BYTES["h200"]))
+    done = CliRunner().invoke(app, [command, "-c", str(config)])
+    assert started, done.output
 
 
 def test_gpu_names() -> None:
