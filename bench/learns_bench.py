@@ -347,7 +347,7 @@ def train(cfg: Any, minutes: float) -> dict[str, Any]:
     t0 = time.time()
     demo.run_grpo(cfg, minutes=minutes, on_tick=lambda: None)
     wall_s = time.time() - t0
-    latest = Store(cfg.store.url).latest_policy(cfg.name)
+    latest = Store(cfg.store.url).policy_versions.latest(cfg.name)
     episodes = api.episodes(cfg.store.url, run_id=cfg.name)
     by_version = demo.reward_table(cfg.store.url, cfg.name)
     return {

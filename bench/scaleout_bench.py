@@ -10,7 +10,7 @@ Run::
 The private server runs PostgreSQL's shipped defaults, what a user's server runs:
 ``fsync = on``, ``synchronous_commit = on``, 128 MB shared buffers (``--fsync-off`` gives
 the test fixture's ``-F`` instead). Each writer is a separate PROCESS doing what a
-collector's store writer does, in a loop: claim 16 task slots (``Store.claim_slots``) and
+collector's store writer does, in a loop: claim 16 task slots (``Store.slots.claim``) and
 commit their groups (16 groups × 8 trajectories × 6 turns × 200 tokens by default) under
 those leases in one transaction (``Store.write_groups_report``: duplicate check, slots
 marked done, text COPY). Only building the records from a template happens in the writer
@@ -25,8 +25,8 @@ besides; ``make_group`` runs before the clock starts. Figures:
   ``server_cpu_s_per_1k_traj_*`` say what a writer's work costs in CPU on each side, and
   ``machine_busy_cores_*`` how busy the whole machine was (other users included).
 - ``claim_ms_p50_under_write``: p50 (and p90) of one collector's slot claim
-  (``claim_slots`` of 1 slot, one transaction) while the 4 writers commit (goal <= 50 ms);
-  ``learner_claim_ms_p50_under_write``: the learner's ``claim_batch`` of 4 groups (claim
+  (``store.slots.claim`` of 1 slot, one transaction) while the 4 writers commit (goal <= 50 ms);
+  ``learner_claim_ms_p50_under_write``: the learner's ``store.claims.claim`` of 4 groups (claim
   and load their token arrays) at the same time.
 """
 
@@ -132,7 +132,7 @@ def _writer(url: str, name: str, seconds: float, batch: int, turns: int, tokens:
             ready, start, out, measured) -> None:  # fmt: skip
     """One collector's writer process: claim slots, commit groups under their leases."""
     store = Store(url, lock_timeout_s=120)
-    cid = store.register_collector(run_id="run", host=name)
+    cid = store.slots.register(run_id="run", host=name)
     tasks = [(f"t{i}", task_rank(f"t{i}", 0)) for i in range(N_TASKS)]
     template = make_group("x", n_episodes=GROUP_SIZE, n_turns=turns, tokens_per_turn=tokens)
     ready.put(name)
@@ -140,7 +140,7 @@ def _writer(url: str, name: str, seconds: float, batch: int, turns: int, tokens:
     t0, cpu0 = time.perf_counter(), time.process_time()
     done = 0
     while time.perf_counter() - t0 < seconds:
-        leases = store.claim_slots(run_id="run", collector_id=cid, tasks=tasks, ttl_s=600, n=batch)
+        leases = store.slots.claim(run_id="run", collector_id=cid, tasks=tasks, ttl_s=600, n=batch)
         groups = [
             replace(template, group_id=x.group_id, task_id=x.task_id, collector_id=cid,
                     slot_lease=x.lease,
@@ -220,13 +220,13 @@ def main() -> None:
         store = Store(url)
         store.init()
         store.ensure_run(RunRecord("run", "{}", "bench"))
-        store.register_policy(PolicyRecord("run", 0, "none", None, None))
-        prober = store.register_collector(run_id="run", host="probe")
+        store.policy_versions.register(PolicyRecord("run", 0, "none", None, None))
+        prober = store.slots.register(run_id="run", host="probe")
         tasks = [(f"t{i}", task_rank(f"t{i}", 0)) for i in range(N_TASKS)]
 
         def slot_claim() -> float:
             t0 = time.perf_counter()
-            store.claim_slots(run_id="run", collector_id=prober, tasks=tasks, ttl_s=600)
+            store.slots.claim(run_id="run", collector_id=prober, tasks=tasks, ttl_s=600)
             return (time.perf_counter() - t0) * 1000
 
         learner_ms: list[float] = []
@@ -234,7 +234,7 @@ def main() -> None:
         def both() -> float:
             ms = slot_claim()
             t0 = time.perf_counter()
-            store.claim_batch(run_id="run", learner_id=uuid.uuid4().hex, n_groups=4, max_lag=100)
+            store.claims.claim(run_id="run", learner_id=uuid.uuid4().hex, n_groups=4, max_lag=100)
             learner_ms.append((time.perf_counter() - t0) * 1000)
             return ms
 

@@ -17,7 +17,7 @@ Figures (one line each; with ``--json`` the last line is one JSON object):
   Parquet + zstd with the turns' arrays as list columns (``parquet_lists_file_mb``; goal ≤ 2).
   With ``--postgres`` the same groups are also written to that (empty) database and
   ``postgres_mb`` is the sum of ``pg_total_relation_size`` of its tables.
-- ``batch_fetch_ms_p50``: ``claim_batch`` of 64 groups × 8 trajectories (claim + load; goal
+- ``batch_fetch_ms_p50``: ``store.claims.claim`` of 64 groups × 8 trajectories (claim + load; goal
   ≤ 100 ms).
 - ``read_during_write_ms_p50`` / ``_max``: a read-only query (open, count, close) while
   another thread keeps committing batches (goal max ≤ 300 ms).
@@ -57,7 +57,7 @@ BATCH_EPISODES = 2000
 
 def _setup_run(store: Store) -> None:
     store.ensure_run(RunRecord("run", "{}", "bench"))
-    store.register_policy(PolicyRecord("run", 0, "none", None, None))
+    store.policy_versions.register(PolicyRecord("run", 0, "none", None, None))
 
 
 def _batches(n_traj: int, n_turns: int, tokens: int, prefix: str):
@@ -167,17 +167,17 @@ def bench_postgres(url: str, n_traj: int, n_turns: int, tokens: int, parquet: di
 
 
 def bench_fetch(store: Store, repeats: int) -> dict:
-    """``claim_batch`` of 64 groups, each claim released again untimed so that every timed
+    """``store.claims.claim`` of 64 groups, each claim released again untimed so that every timed
     claim is a full one (a store of 250 groups has only 3 disjoint claims of 64)."""
     times, cpu = [], []
     for i in range(repeats):
         t0, c0 = time.perf_counter(), time.process_time()
-        batch = store.claim_batch(run_id="run", learner_id=f"L{i}", n_groups=64, max_lag=100)
+        batch = store.claims.claim(run_id="run", learner_id=f"L{i}", n_groups=64, max_lag=100)
         times.append((time.perf_counter() - t0) * 1000)
         cpu.append((time.process_time() - c0) * 1000)
         if batch is None:
             raise SystemExit("fewer than 64 groups stored: nothing to fetch")
-        store.release_claim(batch.claim_id)
+        store.claims.release(batch.claim_id)
     return {
         "batch_fetch_ms_p50": round(statistics.median(times), 1),
         "batch_fetch_ms_max": round(max(times), 1),

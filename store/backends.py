@@ -48,8 +48,9 @@ attaches with it.
 
 
 class Connections(Protocol):
-    """What the store's rooms (``store.leases``, ``store.policy_versions``) need of the
-    ``Store`` that composes them: its transactions (``store.Store`` provides them)."""
+    """What the store's rooms (``store.slots``, ``store.claims``, ``store.policy_versions``,
+    ``store.leases``, ``store.dead_letters``) need of the ``Store`` that composes them: its
+    transactions (``store.Store`` provides them)."""
 
     def transaction(self) -> AbstractContextManager[sa.Connection]:
         """One write transaction (schema checked), committed on a clean exit."""

@@ -5,6 +5,9 @@ or CLAIMED with an expired lease, or CLAIMED earlier by the same learner so that
 learner re-takes its own claim), mark them CLAIMED under a new ``claim_id`` and lease, and
 load their token arrays. PostgreSQL picks with ``FOR UPDATE … SKIP LOCKED``; DuckDB needs
 nothing more than its cross-process file lock, which serialises every writer.
+
+``Store`` composes :class:`Claims` (claim, release, and the reads of groups and episodes by
+run) as ``store.claims``.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def claim_groups(
     lease_s: float,
     fence: Fence | None = None,
 ) -> TrainBatch | None:
-    """See :meth:`sandpiper.store.Store.claim_batch`; with ``fence``, only the run's leader may claim."""
+    """See :meth:`Claims.claim`; with ``fence``, only the run's leader may claim."""
     gs, g, pol = T.group_states, T.groups, T.policies
     now = utcnow()
     if fence is not None:
@@ -237,3 +240,87 @@ def _empty(episode_id: str, meta: dict) -> TrainEpisode:
         behaviour_logprobs_T=np.zeros(0, np.float32),
         policy_versions_T=np.zeros(0, np.int32),
     )
+
+
+class Claims:
+    """The learner's claims and the reads of groups by run, each call in one of ``db``'s
+    transactions. ``Store`` composes it as ``store.claims``."""
+
+    def __init__(self, db: backends.Connections) -> None:
+        self.db = db
+
+    def claim(
+        self,
+        *,
+        run_id: str,
+        learner_id: str,
+        n_groups: int,
+        max_lag: int,
+        lease_s: float = 600.0,
+        fence: Fence | None = None,
+    ) -> TrainBatch | None:
+        """Claim the ``n_groups`` oldest fresh READY groups, or None if fewer are available
+        (stale groups are dropped, and unreadable ones set aside, even then)."""
+        with self.db.transaction() as conn:
+            return claim_groups(
+                conn, run_id=run_id, learner_id=learner_id, n_groups=n_groups, max_lag=max_lag,
+                lease_s=lease_s, fence=fence,
+            )  # fmt: skip
+
+    def release(self, claim_id: str, *, fence: Fence | None = None) -> None:
+        """Give a claim's groups back (READY) without training on them."""
+        gs = T.group_states
+        with self.db.transaction() as conn:
+            if fence is not None:
+                leases.check(conn, fence, skip_locked=backends.is_postgres(conn))
+            conn.execute(
+                sa.update(gs)
+                .where(gs.c.claim_id == claim_id, gs.c.status == CLAIMED)
+                .values(status=READY, claimed_by=None, lease_expires_at=None, updated_at=utcnow())
+            )
+
+    def group_counts(self, run_id: str) -> dict[GroupStatus, int]:
+        """Train-split groups of ``run_id`` per status (every status present, 0 if none)."""
+        gs, g = T.group_states, T.groups
+        q = (
+            sa.select(gs.c.status, sa.func.count())
+            .select_from(gs.join(g, g.c.group_id == gs.c.group_id))
+            .where(gs.c.run_id == run_id, g.c.split == Split.TRAIN.value)
+            .group_by(gs.c.status)
+        )
+        with self.db.connect_readonly() as conn:
+            found = {GroupStatus(s): int(n) for s, n in conn.execute(q)}
+        return {s: found.get(s, 0) for s in GroupStatus}
+
+    def group_ids(self, run_id: str, status: GroupStatus | None = None) -> list[str]:
+        gs = T.group_states
+        q = sa.select(gs.c.group_id).where(gs.c.run_id == run_id).order_by(gs.c.group_id)
+        if status is not None:
+            q = q.where(gs.c.status == status.value)
+        with self.db.connect_readonly() as conn:
+            return list(conn.execute(q).scalars())
+
+    def episode_ids(self, run_id: str) -> list[str]:
+        e = T.episodes
+        q = sa.select(e.c.episode_id).where(e.c.run_id == run_id).order_by(e.c.episode_id)
+        with self.db.connect_readonly() as conn:
+            return list(conn.execute(q).scalars())
+
+    def sft_episodes(
+        self, *, run_id: str | None, min_reward: float, limit: int | None = None
+    ) -> list[TrainEpisode]:
+        """Valid trainable episodes with ``reward >= min_reward``, oldest first."""
+        e = T.episodes
+        q = (
+            sa.select(e.c.episode_id)
+            .where(e.c.valid, e.c.trainable, e.c.reward >= min_reward)
+            .order_by(e.c.started_at, e.c.episode_id)
+        )
+        if run_id is not None:
+            q = q.where(e.c.run_id == run_id)
+        if limit is not None:
+            q = q.limit(limit)
+        with self.db.connect_readonly() as conn:
+            ids = list(conn.execute(q).scalars())
+            by_id = {ep.episode_id: ep for ep in load_episodes(conn, episode_ids=ids)}
+        return [by_id[i] for i in ids]

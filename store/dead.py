@@ -8,19 +8,22 @@ nothing else waits on it (no poison pill).
   training arrays is marked ``dead`` in ``group_states`` (never trained on) and listed here
   (:mod:`sandpiper.store.claims`).
 
-``sandpiper store retry-dead`` re-submits them after a fix (:meth:`Store.retry_dead`). The
-functions here take the caller's connection, inside its transaction.
+``sandpiper store retry-dead`` re-submits them after a fix (:meth:`DeadLetters.retry`). The
+functions here take the caller's connection, inside its transaction; :class:`DeadLetters`
+(composed as ``store.dead_letters``) runs each in one of the store's transactions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 import sqlalchemy as sa
 
-from sandpiper.store import schema
-from sandpiper.store.records import GroupStatus
+from sandpiper.errors import StoreError
+from sandpiper.store import backends, schema, spool
+from sandpiper.store.records import GroupRecord, GroupStatus, WriteOutcome, WriteReport, utcnow
 
 WRITER, LEARNER = "writer", "learner"
 """Values of ``dead_groups.source``."""
@@ -134,3 +137,69 @@ def give_back_to_learner(conn: sa.Connection, group_id: str, *, now: datetime) -
     ).rowcount
     remove(conn, group_id)
     return bool(n)
+
+
+class DeadLetters:
+    """The ``dead_groups`` table, each call in one of ``db``'s transactions; ``write`` commits
+    groups again (the store's ``write_groups_report``). ``Store`` composes it as
+    ``store.dead_letters``."""
+
+    def __init__(
+        self, db: backends.Connections, *, write: Callable[[list[GroupRecord]], WriteReport]
+    ) -> None:
+        self.db = db
+        self.write = write
+
+    def record(
+        self,
+        *,
+        group_id: str,
+        run_id: str,
+        source: str,
+        error: str,
+        spool: bytes | None = None,
+        collector_id: str | None = None,
+    ) -> None:
+        """List a group in ``dead_groups`` (again: one more attempt, the latest error)."""
+        with self.db.transaction() as conn:
+            record(
+                conn, group_id=group_id, run_id=run_id, source=source, error=error,
+                now=utcnow(), spool=spool, collector_id=collector_id,
+            )  # fmt: skip
+
+    def all(self, run_id: str | None = None) -> list[DeadGroup]:
+        """The dead letters (oldest first)."""
+        with self.db.connect_readonly() as conn:
+            return listed(conn, run_id)
+
+    def retry(
+        self, *, run_id: str | None = None, group_ids: Sequence[str] | None = None
+    ) -> dict[str, str]:
+        """Re-submit dead letters (after a fix): a writer's group is written again from its
+        spool bytes, a learner's group is made READY again. Returns group_id → outcome
+        (``stored``, ``replayed``, ``ready``, or ``failed: <error>`` — still listed)."""
+        wanted = [d for d in self.all(run_id) if group_ids is None or d.group_id in group_ids]
+        out: dict[str, str] = {}
+        for d in wanted:
+            try:
+                if d.source == LEARNER:
+                    with self.db.transaction() as conn:
+                        give_back_to_learner(conn, d.group_id, now=utcnow())
+                    out[d.group_id] = "ready"
+                    continue
+                with self.db.connect_readonly() as conn:
+                    data = spool_of(conn, d.group_id)
+                if data is None:
+                    raise StoreError("no spool bytes were kept for it")
+                outcome = self.write([spool.decode(data)]).outcomes[d.group_id]
+                if outcome not in (WriteOutcome.STORED, WriteOutcome.REPLAYED):
+                    raise StoreError(f"refused by the store: {outcome}")
+                with self.db.transaction() as conn:
+                    remove(conn, d.group_id)
+                out[d.group_id] = str(outcome)
+            except Exception as e:  # stays listed with its new error; the others go on
+                error = short_error(e)
+                self.record(group_id=d.group_id, run_id=d.run_id, source=d.source,
+                            error=error, collector_id=d.collector_id)  # fmt: skip
+                out[d.group_id] = f"failed: {error}"
+        return out

@@ -1,6 +1,6 @@
 """Policy versions: a learner's checkpoints registered (with the step and the claim it
 consumed), and read back. ``Store`` composes :class:`PolicyVersions` as
-``store.policy_versions`` (``store.policies(run_id)`` stays the reader of every version).
+``store.policy_versions`` (``store.policy_versions.all(run_id)`` reads every version).
 
 ``register`` is the end of the learner's claim protocol (``store/store.py``): the policy,
 its learner step and the consumption of the claimed groups in ONE transaction.

@@ -17,6 +17,8 @@ Design and reasons: ``docs/scaleout.md``. In short:
   ``done`` in the same transaction). A slot leased by a collector that is not live any more
   is freed (:func:`reap`, at every claim) and re-issued under a new lease: the late group of
   the old holder is refused as ``superseded``, never stored twice.
+
+``Store`` composes :class:`Slots` (these functions, each in one transaction) as ``store.slots``.
 """
 
 from __future__ import annotations
@@ -389,3 +391,93 @@ def slot_counts(conn: sa.Connection, run_id: str) -> dict[str, int]:
     ).all()
     found = {k: int(n) for k, n in rows}
     return {k: found.get(k, 0) for k in (FREE, LEASED, DONE)}
+
+
+# ---- the room --------------------------------------------------------------------------------
+
+
+class Slots:
+    """Collectors (registry, heartbeats, announced versions) and their task slots: the
+    functions above, each call in one of ``db``'s transactions. ``Store`` composes it as
+    ``store.slots``."""
+
+    def __init__(self, db: backends.Connections) -> None:
+        self.db = db
+
+    def register(
+        self, *, run_id: str, host: str | None = None, collector_id: str | None = None
+    ) -> str:
+        """Register this process as a collector of ``run_id``; returns its unique id."""
+        with self.db.transaction() as conn:
+            return register(conn, run_id=run_id, host=host, collector_id=collector_id)
+
+    def heartbeat(self, collector_id: str, *, policy_version: int | None = None) -> bool:
+        """Renew its heartbeat (and announce the policy version it serves or is about to
+        load); False if the store holds it as stopped (or does not know it)."""
+        with self.db.transaction() as conn:
+            return heartbeat(conn, collector_id, policy_version=policy_version)
+
+    def referenced_versions(self, *, run_id: str, within_s: float) -> set[int]:
+        """Versions that collectors of ``run_id`` with a heartbeat younger than ``within_s``
+        serve or are loading (checkpoint retention keeps them)."""
+        with self.db.connect_readonly() as conn:
+            return referenced_versions(conn, run_id=run_id, within_s=within_s)
+
+    def stop(self, collector_id: str) -> int:
+        """Mark it stopped and free its leased slots at once; returns the slots freed."""
+        with self.db.transaction() as conn:
+            return stop(conn, collector_id)
+
+    def collectors(self, run_id: str | None = None) -> list[CollectorRecord]:
+        with self.db.connect_readonly() as conn:
+            return collectors(conn, run_id=run_id)
+
+    def liveness(self, *, ttl_s: float) -> dict[str, bool]:
+        """Every registered collector id -> live (heartbeat younger than ``ttl_s``, running)."""
+        with self.db.connect_readonly() as conn:
+            return liveness(conn, ttl_s=ttl_s)[1]
+
+    def claim(
+        self,
+        *,
+        run_id: str,
+        collector_id: str,
+        tasks: Sequence[tuple[str, str]],
+        ttl_s: float,
+        n: int = 1,
+        split: Split = Split.TRAIN,
+        only: Sequence[str] | None = None,
+    ) -> list[SlotLease]:
+        """The next ``n`` task slots for this collector (``tasks``: its ``(task_id, rank)``)."""
+        with self.db.transaction() as conn:
+            leases = claim_slots(
+                conn, run_id=run_id, collector_id=collector_id, tasks=tasks, split=split,
+                only=only, ttl_s=ttl_s, n=n,
+            )  # fmt: skip
+        if not leases:  # after the commit: the heartbeat, reaping and new rounds stay
+            raise StoreError(f"could not claim a task slot of run {run_id!r} (contention)")
+        return leases
+
+    def claim_one(
+        self,
+        *,
+        run_id: str,
+        collector_id: str,
+        tasks: Sequence[tuple[str, str]],
+        ttl_s: float,
+        split: Split = Split.TRAIN,
+        only: Sequence[str] | None = None,
+    ) -> SlotLease:
+        """:meth:`claim` with ``n=1``."""
+        return self.claim(run_id=run_id, collector_id=collector_id, tasks=tasks, ttl_s=ttl_s,
+                          n=1, split=split, only=only)[0]  # fmt: skip
+
+    def release(self, lease: SlotLease) -> bool:
+        """Hand an unfinished slot back for re-issue; False if it was already re-issued."""
+        with self.db.transaction() as conn:
+            return release(conn, lease)
+
+    def counts(self, run_id: str) -> dict[str, int]:
+        """Slots of ``run_id`` per status (free, leased, done)."""
+        with self.db.connect_readonly() as conn:
+            return slot_counts(conn, run_id)

@@ -1,20 +1,28 @@
 """``Store``: the one object collector, learner and analysis use to reach the trajectory store.
 
+It keeps the engine, the schema and its migrations, the transactions, runs and tasks, the
+write path (``writer``, ``write_groups``) and the stats, and composes the rooms that hold
+the rest beside their SQL, each through the Store's transactions (``backends.Connections``):
+``store.slots`` (collectors and task slots, ``slots.py``), ``store.claims`` (the learner's
+claims and the reads of groups by run, ``claims.py``), ``store.policy_versions``
+(``policies.py``), ``store.leases`` (``leases.py``) and ``store.dead_letters`` (``dead.py``).
+
 Every method is one short transaction (on DuckDB: lock, open, run, close — see
 ``store/locking.py``). The learner's claim protocol:
 
-1. ``claim_batch`` marks READY groups older than ``current_version - max_lag`` as
+1. ``store.claims.claim`` marks READY groups older than ``current_version - max_lag`` as
    ``dropped_stale`` (committed even when no batch is returned, so stale groups never block
    the collector's backpressure), then claims the oldest READY groups under a lease.
-2. The learner trains, writes a checkpoint, and calls ``register_policy(..., claim_id=…)``,
-   which inserts the policy and the learner step and marks the claimed groups ``consumed``
-   in ONE transaction: a crash before it leaves the claim to be re-taken (by the same
-   learner at once, by another one after the lease), a crash after it never retrains them.
+2. The learner trains, writes a checkpoint, and calls
+   ``store.policy_versions.register(..., claim_id=…)``, which inserts the policy and the
+   learner step and marks the claimed groups ``consumed`` in ONE transaction: a crash before
+   it leaves the claim to be re-taken (by the same learner at once, by another one after the
+   lease), a crash after it never retrains them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,30 +31,26 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from sandpiper.errors import DuplicateGroupError, StoreError
-from sandpiper.store import backends, leases, migrations, schema
+from sandpiper.store import migrations, schema
 from sandpiper.store.backends import DuckDBBackend, make_backend
-from sandpiper.store.claims import claim_groups, load_episodes
+from sandpiper.store.claims import Claims
+from sandpiper.store.dead import DeadLetters
+from sandpiper.store.leases import Leases
 from sandpiper.store.policies import PolicyVersions
 from sandpiper.store.records import (
-    CollectorRecord,
-    Fence,
     GroupRecord,
-    GroupStatus,
-    LeaseRecord,
-    PolicyRecord,
     RunRecord,
-    SlotLease,
-    Split,
     TaskRecord,
-    TrainBatch,
-    TrainEpisode,
     TrainGroup,
-    WriteOutcome,
     WriteReport,
     utcnow,
 )
+from sandpiper.store.slots import Slots
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from sandpiper.store.to_arrow import GroupRows
     from sandpiper.store.writer import GroupWriter, OnOutcome
 
 T = schema
@@ -60,10 +64,16 @@ class Store:
         self.lock_timeout_s = lock_timeout_s
         self.backend = make_backend(url, lock_timeout_s=lock_timeout_s)
         self._checked = False
-        self.leases = leases.Leases(self)
+        self.leases = Leases(self)
         """The run's learner lease (``store/leases.py``)."""
         self.policy_versions = PolicyVersions(self)
         """Registered policy versions and learner steps (``store/policies.py``)."""
+        self.slots = Slots(self)
+        """Collectors (registry, heartbeats) and their task slots (``store/slots.py``)."""
+        self.claims = Claims(self)
+        """The learner's claims; groups and episodes by run (``store/claims.py``)."""
+        self.dead_letters = DeadLetters(self, write=self.write_groups_report)
+        """Groups set aside, listed and retried (``store/dead.py``)."""
 
     @property
     def is_duckdb(self) -> bool:
@@ -131,7 +141,7 @@ class Store:
             self._check(conn)
             yield conn
 
-    # ---- runs, tasks, policies ---------------------------------------------------------
+    # ---- runs and tasks ---------------------------------------------------------------
 
     def ensure_run(self, run: RunRecord) -> None:
         """Register the run unless it exists (the first process's record stays). One
@@ -174,45 +184,6 @@ class Store:
         )
         with self.transaction() as conn:
             conn.execute(upsert, rows)
-
-    # ---- policies (store/policies.py: PolicyVersions, composed as ``policy_versions``) ---
-
-    def register_policy(
-        self,
-        policy: PolicyRecord,
-        *,
-        claim_id: str | None = None,
-        metrics: dict | None = None,
-        fence: Fence | None = None,
-    ) -> None:
-        """See :meth:`PolicyVersions.register <sandpiper.store.policies.PolicyVersions.register>`."""
-        self.policy_versions.register(policy, claim_id=claim_id, metrics=metrics, fence=fence)
-
-    def latest_policy(self, run_id: str) -> PolicyRecord | None:
-        return self.policy_versions.latest(run_id)
-
-    def policies(self, run_id: str) -> list[PolicyRecord]:
-        """Every registered version of ``run_id``, oldest first."""
-        return self.policy_versions.all(run_id)
-
-    def oldest_version_in_flight(self, run_id: str) -> int | None:
-        """Oldest policy version sampled by a group not consumed yet (READY or CLAIMED)."""
-        return self.policy_versions.oldest_in_flight(run_id)
-
-    # ---- learner leadership (store/leases.py: Leases, composed as ``leases``) -------------
-
-    def acquire_lease(self, *, run_id: str, learner_id: str, lease_s: float) -> LeaseRecord:
-        """Take or renew the run's learner lease; ``.held`` says whether the caller has it."""
-        return self.leases.acquire(run_id=run_id, learner_id=learner_id, lease_s=lease_s)
-
-    def renew_lease(self, fence: Fence, *, lease_s: float) -> LeaseRecord:
-        return self.leases.renew(fence, lease_s=lease_s)
-
-    def release_lease(self, fence: Fence) -> None:
-        self.leases.release(fence)
-
-    def current_lease(self, run_id: str) -> LeaseRecord | None:
-        return self.leases.current(run_id)
 
     # ---- writing groups ------------------------------------------------------------------
 
@@ -260,15 +231,17 @@ class Store:
             raise DuplicateGroupError(_rejected_message(report))
         return report.n_stored
 
-    def write_groups_report(self, groups: list[GroupRecord]) -> WriteReport:
-        """Commit whole groups in one transaction (Arrow bulk insert): see ``store.ingest``."""
+    def write_groups_report(self, groups: Sequence[GroupRecord | GroupRows]) -> WriteReport:
+        """Commit whole groups in one transaction (Arrow bulk insert): see ``store.ingest``.
+        A group is a record, or the rows the writer converted once at ``put`` and spooled
+        (``to_arrow.GroupRows``, inserted as they are)."""
         from sandpiper.store import ingest
 
-        prepared = ingest.prepare(groups)  # Arrow conversion before taking the store
+        prepared = ingest.prepare(groups)  # Arrow conversion (of records) before taking the store
         with self.transaction() as conn:
             return ingest.write(conn, prepared)
 
-    # ---- dead letters (store/dead.py): no group may stop the others ------------------------
+    # ---- for the writer's dead letters (store/dead.py): no group may stop the others ------
 
     def ping(self) -> None:
         """One tiny real write (``schema_meta['pinged_at']``): raises when the store cannot
@@ -294,14 +267,10 @@ class Store:
         spool: bytes | None = None,
         collector_id: str | None = None,
     ) -> None:
-        """List a group in ``dead_groups`` (again: one more attempt, the latest error)."""
-        from sandpiper.store import dead
-
-        with self.transaction() as conn:
-            dead.record(
-                conn, group_id=group_id, run_id=run_id, source=source, error=error,
-                now=utcnow(), spool=spool, collector_id=collector_id,
-            )  # fmt: skip
+        """See :meth:`DeadLetters.record <sandpiper.store.dead.DeadLetters.record>` (the
+        group writer's ``WriterStore`` calls it here)."""
+        self.dead_letters.record(group_id=group_id, run_id=run_id, source=source, error=error,
+                                 spool=spool, collector_id=collector_id)  # fmt: skip
 
     def export_parquet(self, out_dir: str | Path) -> dict[str, int]:
         """Write the store as Parquet under ``out_dir`` (see ``store/export.py``); returns
@@ -309,219 +278,6 @@ class Store:
         from sandpiper.store.export import export_parquet
 
         return export_parquet(self.connect_readonly, out_dir)
-
-    def dead_groups(self, run_id: str | None = None) -> list[Any]:
-        """The dead letters (oldest first), as :class:`~sandpiper.store.dead.DeadGroup`."""
-        from sandpiper.store import dead
-
-        with self.connect_readonly() as conn:
-            return dead.listed(conn, run_id)
-
-    def retry_dead(
-        self, *, run_id: str | None = None, group_ids: Sequence[str] | None = None
-    ) -> dict[str, str]:
-        """Re-submit dead letters (after a fix): a writer's group is written again from its
-        spool bytes, a learner's group is made READY again. Returns group_id → outcome
-        (``stored``, ``replayed``, ``ready``, or ``failed: <error>`` — still listed)."""
-        from sandpiper.store import dead, spool
-
-        wanted = [
-            d for d in self.dead_groups(run_id) if group_ids is None or d.group_id in group_ids
-        ]
-        out: dict[str, str] = {}
-        for d in wanted:
-            try:
-                if d.source == dead.LEARNER:
-                    with self.transaction() as conn:
-                        dead.give_back_to_learner(conn, d.group_id, now=utcnow())
-                    out[d.group_id] = "ready"
-                    continue
-                with self.connect_readonly() as conn:
-                    data = dead.spool_of(conn, d.group_id)
-                if data is None:
-                    raise StoreError("no spool bytes were kept for it")
-                outcome = self.write_groups_report([spool.decode(data)]).outcomes[d.group_id]
-                if outcome not in (WriteOutcome.STORED, WriteOutcome.REPLAYED):
-                    raise StoreError(f"refused by the store: {outcome}")
-                with self.transaction() as conn:
-                    dead.remove(conn, d.group_id)
-                out[d.group_id] = str(outcome)
-            except Exception as e:  # stays listed with its new error; the others go on
-                error = dead.short_error(e)
-                self.record_dead_group(group_id=d.group_id, run_id=d.run_id, source=d.source,
-                                       error=error, collector_id=d.collector_id)  # fmt: skip
-                out[d.group_id] = f"failed: {error}"
-        return out
-
-    # ---- collectors and task slots (store/slots.py; docs/scaleout.md) ------------------
-
-    def register_collector(
-        self, *, run_id: str, host: str | None = None, collector_id: str | None = None
-    ) -> str:
-        """Register this process as a collector of ``run_id``; returns its unique id."""
-        from sandpiper.store import slots
-
-        with self.transaction() as conn:
-            return slots.register(conn, run_id=run_id, host=host, collector_id=collector_id)
-
-    def heartbeat_collector(self, collector_id: str, *, policy_version: int | None = None) -> bool:
-        """Renew its heartbeat (and announce the policy version it serves or is about to
-        load); False if the store holds it as stopped (or does not know it)."""
-        from sandpiper.store import slots
-
-        with self.transaction() as conn:
-            return slots.heartbeat(conn, collector_id, policy_version=policy_version)
-
-    def collector_policy_versions(self, *, run_id: str, within_s: float) -> set[int]:
-        """Versions that collectors of ``run_id`` with a heartbeat younger than ``within_s``
-        serve or are loading (checkpoint retention keeps them)."""
-        from sandpiper.store import slots
-
-        with self.connect_readonly() as conn:
-            return slots.referenced_versions(conn, run_id=run_id, within_s=within_s)
-
-    def stop_collector(self, collector_id: str) -> int:
-        """Mark it stopped and free its leased slots at once; returns the slots freed."""
-        from sandpiper.store import slots
-
-        with self.transaction() as conn:
-            return slots.stop(conn, collector_id)
-
-    def collectors(self, run_id: str | None = None) -> list[CollectorRecord]:
-        from sandpiper.store import slots
-
-        with self.connect_readonly() as conn:
-            return slots.collectors(conn, run_id=run_id)
-
-    def collector_liveness(self, *, ttl_s: float) -> dict[str, bool]:
-        """Every registered collector id -> live (heartbeat younger than ``ttl_s``, running)."""
-        from sandpiper.store import slots
-
-        with self.connect_readonly() as conn:
-            return slots.liveness(conn, ttl_s=ttl_s)[1]
-
-    def claim_slots(
-        self,
-        *,
-        run_id: str,
-        collector_id: str,
-        tasks: Sequence[tuple[str, str]],
-        ttl_s: float,
-        n: int = 1,
-        split: Split = Split.TRAIN,
-        only: Sequence[str] | None = None,
-    ) -> list[SlotLease]:
-        """The next ``n`` task slots for this collector (``tasks``: its ``(task_id, rank)``)."""
-        from sandpiper.store import slots
-
-        with self.transaction() as conn:
-            leases = slots.claim_slots(
-                conn, run_id=run_id, collector_id=collector_id, tasks=tasks, split=split,
-                only=only, ttl_s=ttl_s, n=n,
-            )  # fmt: skip
-        if not leases:  # after the commit: the heartbeat, reaping and new rounds stay
-            raise StoreError(f"could not claim a task slot of run {run_id!r} (contention)")
-        return leases
-
-    def claim_slot(self, **kwargs: Any) -> SlotLease:
-        """:meth:`claim_slots` with ``n=1``."""
-        return self.claim_slots(n=1, **kwargs)[0]
-
-    def release_slot(self, lease: SlotLease) -> bool:
-        """Hand an unfinished slot back for re-issue; False if it was already re-issued."""
-        from sandpiper.store import slots
-
-        with self.transaction() as conn:
-            return slots.release(conn, lease)
-
-    def slot_counts(self, run_id: str) -> dict[str, int]:
-        from sandpiper.store import slots
-
-        with self.connect_readonly() as conn:
-            return slots.slot_counts(conn, run_id)
-
-    # ---- learner ---------------------------------------------------------------------------
-
-    def claim_batch(
-        self,
-        *,
-        run_id: str,
-        learner_id: str,
-        n_groups: int,
-        max_lag: int,
-        lease_s: float = 600.0,
-        fence: Fence | None = None,
-    ) -> TrainBatch | None:
-        """Claim the ``n_groups`` oldest fresh READY groups, or None if fewer are available
-        (stale groups are dropped, and unreadable ones set aside, even then)."""
-        with self.transaction() as conn:
-            return claim_groups(
-                conn, run_id=run_id, learner_id=learner_id, n_groups=n_groups, max_lag=max_lag,
-                lease_s=lease_s, fence=fence,
-            )  # fmt: skip
-
-    def release_claim(self, claim_id: str, *, fence: Fence | None = None) -> None:
-        """Give a claim's groups back (READY) without training on them."""
-        gs = T.group_states
-        with self.transaction() as conn:
-            if fence is not None:
-                leases.check(conn, fence, skip_locked=backends.is_postgres(conn))
-            conn.execute(
-                sa.update(gs)
-                .where(gs.c.claim_id == claim_id, gs.c.status == GroupStatus.CLAIMED.value)
-                .values(
-                    status=GroupStatus.READY.value,
-                    claimed_by=None,
-                    lease_expires_at=None,
-                    updated_at=utcnow(),
-                )
-            )
-
-    def group_counts(self, run_id: str) -> dict[GroupStatus, int]:
-        """Train-split groups of ``run_id`` per status (every status present, 0 if none)."""
-        gs, g = T.group_states, T.groups
-        q = (
-            sa.select(gs.c.status, sa.func.count())
-            .select_from(gs.join(g, g.c.group_id == gs.c.group_id))
-            .where(gs.c.run_id == run_id, g.c.split == Split.TRAIN.value)
-            .group_by(gs.c.status)
-        )
-        with self.connect_readonly() as conn:
-            found = {GroupStatus(s): int(n) for s, n in conn.execute(q)}
-        return {s: found.get(s, 0) for s in GroupStatus}
-
-    def sft_episodes(
-        self, *, run_id: str | None, min_reward: float, limit: int | None = None
-    ) -> list[TrainEpisode]:
-        """Valid trainable episodes with ``reward >= min_reward``, oldest first."""
-        e = T.episodes
-        q = (
-            sa.select(e.c.episode_id)
-            .where(e.c.valid, e.c.trainable, e.c.reward >= min_reward)
-            .order_by(e.c.started_at, e.c.episode_id)
-        )
-        if run_id is not None:
-            q = q.where(e.c.run_id == run_id)
-        if limit is not None:
-            q = q.limit(limit)
-        with self.connect_readonly() as conn:
-            ids = list(conn.execute(q).scalars())
-            by_id = {ep.episode_id: ep for ep in load_episodes(conn, episode_ids=ids)}
-        return [by_id[i] for i in ids]
-
-    def episode_ids(self, run_id: str) -> list[str]:
-        e = T.episodes
-        with self.connect_readonly() as conn:
-            q = sa.select(e.c.episode_id).where(e.c.run_id == run_id).order_by(e.c.episode_id)
-            return list(conn.execute(q).scalars())
-
-    def group_ids(self, run_id: str, status: GroupStatus | None = None) -> list[str]:
-        gs = T.group_states
-        q = sa.select(gs.c.group_id).where(gs.c.run_id == run_id).order_by(gs.c.group_id)
-        if status is not None:
-            q = q.where(gs.c.status == status.value)
-        with self.connect_readonly() as conn:
-            return list(conn.execute(q).scalars())
 
     def stats(self) -> dict[str, Any]:
         """Row counts per table, groups per status, schema version (and file size on DuckDB)."""

@@ -41,9 +41,9 @@ def wait_for_leadership(
         state = None
         if world.is_main:
             # A read first: a standby must not take the (DuckDB) write lock at every poll.
-            lease = store.current_lease(run_id)
+            lease = store.leases.current(run_id)
             if lease is None or lease.expires_at <= datetime.now(UTC):
-                lease = store.acquire_lease(run_id=run_id, learner_id=learner_id, lease_s=lease_s)
+                lease = store.leases.acquire(run_id=run_id, learner_id=learner_id, lease_s=lease_s)
             state = (lease.held, lease.learner_id, lease.term, str(lease.expires_at))
         held, holder, term, expires = broadcast_from_main(state, world)
         if held:
@@ -73,7 +73,7 @@ class LeaseKeeper:
     def _run(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
             try:
-                self.store.renew_lease(self.fence, lease_s=self.lease_s)
+                self.store.leases.renew(self.fence, lease_s=self.lease_s)
             except NotLeaderError as e:
                 self.lost = str(e)
                 log.error("%s", e)
@@ -92,6 +92,6 @@ class LeaseKeeper:
         self._thread.join(timeout=30)
         if release and self.lost is None:
             try:
-                self.store.release_lease(self.fence)
+                self.store.leases.release(self.fence)
             except StoreError as e:
                 log.warning("could not release the learner lease: %s", e)

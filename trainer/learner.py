@@ -3,7 +3,7 @@
 Per step: latest registered policy (version v) -> claim ``groups_per_step`` ready groups no
 older than ``max_lag`` versions -> group advantages -> packed micro-batches -> GRPO with
 importance correction over minibatches x epochs -> checkpoint ``v+1`` (atomic folder) ->
-``store.register_policy(v+1, claim_id=...)``, which in ONE transaction records the policy,
+``store.policy_versions.register(v+1, claim_id=...)``, which in ONE transaction records the policy,
 the learner step and marks the claimed groups consumed.
 
 Crash safety follows from that transaction: a learner killed at any point either registered
@@ -100,40 +100,70 @@ def score_temperature(group: TrainGroup, logprobs_mode: str) -> float:
     return group.temperature if logprobs_mode == "processed_logprobs" else 1.0
 
 
-class LearnerStore(Protocol):
-    """The part of ``store.Store`` the learner uses (a fake implements it in unit tests)."""
+class LearnerPolicies(Protocol):
+    """The part of ``store.policy_versions`` (``store/policies.py:PolicyVersions``) the
+    learner uses."""
 
-    def latest_policy(self, run_id: str) -> PolicyRecord | None: ...
+    def register(
+        self, policy: PolicyRecord, *, claim_id: str | None = None, metrics: dict | None = None,
+        fence: Fence | None = None,
+    ) -> None: ...  # fmt: skip
 
-    def policies(self, run_id: str) -> list[PolicyRecord]: ...
+    def latest(self, run_id: str) -> PolicyRecord | None: ...
 
-    def oldest_version_in_flight(self, run_id: str) -> int | None: ...
+    def all(self, run_id: str) -> list[PolicyRecord]: ...
 
-    def collector_policy_versions(self, *, run_id: str, within_s: float) -> set[int]: ...
+    def oldest_in_flight(self, run_id: str) -> int | None: ...
 
-    def acquire_lease(self, *, run_id: str, learner_id: str, lease_s: float) -> LeaseRecord: ...
 
-    def renew_lease(self, fence: Fence, *, lease_s: float) -> LeaseRecord: ...
+class LearnerLeases(Protocol):
+    """``store.leases`` (``store/leases.py:Leases``): the learner's leadership."""
 
-    def release_lease(self, fence: Fence) -> None: ...
+    def acquire(self, *, run_id: str, learner_id: str, lease_s: float) -> LeaseRecord: ...
 
-    def current_lease(self, run_id: str) -> LeaseRecord | None: ...
+    def renew(self, fence: Fence, *, lease_s: float) -> LeaseRecord: ...
 
-    def claim_batch(
+    def release(self, fence: Fence) -> None: ...
+
+    def current(self, run_id: str) -> LeaseRecord | None: ...
+
+
+class LearnerClaims(Protocol):
+    """The part of ``store.claims`` (``store/claims.py:Claims``) the learner uses."""
+
+    def claim(
         self, *, run_id: str, learner_id: str, n_groups: int, max_lag: int, lease_s: float = ...,
         fence: Fence | None = None,
     ) -> TrainBatch | None: ...  # fmt: skip
 
-    def release_claim(self, claim_id: str, *, fence: Fence | None = None) -> None: ...
+    def release(self, claim_id: str, *, fence: Fence | None = None) -> None: ...
 
     def sft_episodes(
         self, *, run_id: str | None, min_reward: float, limit: int | None = None
     ) -> list[TrainEpisode]: ...
 
-    def register_policy(
-        self, policy: PolicyRecord, *, claim_id: str | None = None, metrics: dict | None = None,
-        fence: Fence | None = None,
-    ) -> None: ...  # fmt: skip
+
+class CollectorVersions(Protocol):
+    """The part of ``store.slots`` (``store/slots.py:Slots``) checkpoint retention reads."""
+
+    def referenced_versions(self, *, run_id: str, within_s: float) -> set[int]: ...
+
+
+class LearnerStore(Protocol):
+    """The part of ``store.Store`` the learner uses, by room (``sandpiper.testing.MemoryStore``
+    implements it in memory for unit tests)."""
+
+    @property
+    def policy_versions(self) -> LearnerPolicies: ...
+
+    @property
+    def leases(self) -> LearnerLeases: ...
+
+    @property
+    def claims(self) -> LearnerClaims: ...
+
+    @property
+    def slots(self) -> CollectorVersions: ...
 
 
 def checkpoint_dir(cfg: LearnerSettings) -> Path:
@@ -220,7 +250,7 @@ class Learner:
         found: tuple[int, str, str, str | None] | None = None
         if self.world.is_main:
             assert self.store is not None
-            latest = self.store.latest_policy(self.run_id)
+            latest = self.store.policy_versions.latest(self.run_id)
             if latest is None:
                 v0 = save_checkpoint(
                     load_model(self.lc.model),
@@ -232,7 +262,7 @@ class Learner:
                 first = latest
                 state = None
             else:
-                policies = self.store.policies(self.run_id)
+                policies = self.store.policy_versions.all(self.run_id)
                 first = policies[0]
                 state = resume.newest_with_state(policies) if self.lc.save_train_state else None
             state_uri = None if state is None else state.checkpoint_uri
@@ -279,7 +309,9 @@ class Learner:
     def _register(self, record: PolicyRecord, *, claim_id: str | None, metrics: dict | None):
         assert self.store is not None and self.keeper is not None
         self.keeper.check()
-        self.store.register_policy(record, claim_id=claim_id, metrics=metrics, fence=self.fence)
+        self.store.policy_versions.register(
+            record, claim_id=claim_id, metrics=metrics, fence=self.fence
+        )
 
     # ---- the loop ------------------------------------------------------------------
 
@@ -312,7 +344,7 @@ class Learner:
         idle_since = time.monotonic()
         while True:
             self.keeper.check()
-            batch = self.store.claim_batch(
+            batch = self.store.claims.claim(
                 run_id=self.run_id, learner_id=self.learner_id, n_groups=self.lc.groups_per_step,
                 max_lag=self.lc.max_lag, lease_s=self.lc.claim_lease_s, fence=self.fence,
             )  # fmt: skip

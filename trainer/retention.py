@@ -139,14 +139,14 @@ def prune_checkpoints(
     """Delete the folders retention allows and the training state of every version but the
     newest that has one; returns the folders deleted (call as the leader)."""
     now = now or utcnow()
-    policies = store.policies(run_id)
+    policies = store.policy_versions.all(run_id)
     newest_state = newest_with_state(policies)
     resume_from = None if newest_state is None else newest_state.version
-    referenced = store.collector_policy_versions(
+    referenced = store.slots.referenced_versions(
         run_id=run_id, within_s=rule.collector_ttl_s + rule.grace_s
     )
     keep = versions_to_keep(
-        policies, rule, in_flight_from=store.oldest_version_in_flight(run_id), now=now,
+        policies, rule, in_flight_from=store.policy_versions.oldest_in_flight(run_id), now=now,
         referenced=referenced, resume_from=resume_from,
     )  # fmt: skip
     registered = {Path(p.checkpoint_uri).resolve() for p in policies}

@@ -27,7 +27,7 @@ def sft_sequences(learner: Learner) -> list[TrainSequence]:
     episodes = None
     if learner.world.is_main:
         assert learner.store is not None
-        episodes = learner.store.sft_episodes(
+        episodes = learner.store.claims.sft_episodes(
             run_id=learner.run_id,
             min_reward=learner.lc.sft_min_reward,
             limit=learner.lc.sft_max_episodes,

@@ -6,11 +6,11 @@ real ones from a config; unit tests pass fakes). ``await Collector(...).run(stop
 until ``stop`` is set (or ``max_groups`` train groups are written):
 
 - **Groups from store slots.** The store decides what to collect: each group fills one task
-  slot that the store issued to this collector (``Store.claim_slots``: least-sampled task
+  slot that the store issued to this collector (``store.slots.claim``: least-sampled task
   first, ties in a fixed hashed order, slots freed by a dead or stopped collector first), and
   its id is the slot's ``{run_id}/{task_id}/{seq}``, so N collectors on one run never collide
   nor leave gaps (``docs/scaleout.md``). The collector heartbeats its registration every
-  ``heartbeat_s``; on stop it frees the slots of cancelled groups (``stop_collector``). A
+  ``heartbeat_s``; on stop it frees the slots of cancelled groups (``store.slots.stop``). A
   SIGKILLed collector's slots are re-issued once its heartbeat lapses, or at once when a
   collector restarts on its spool (it commits the spooled groups, then retires it).
 - **Counting.** A group counts as done (``metrics.groups_total``) only when the writer
@@ -302,7 +302,7 @@ class Collector:
 
     async def _claim_once(self, n: int, split: Split, only: list[str] | None) -> list[SlotLease]:
         return await asyncio.to_thread(
-            self.store.claim_slots,
+            self.store.slots.claim,
             run_id=self.run_id,
             collector_id=self.collector_id,
             tasks=self._ranked[split],
@@ -321,7 +321,7 @@ class Collector:
         """Renew our registration; with ``policy_version``, name the version we are about to
         load (before loading it, so that checkpoint retention keeps that folder)."""
         if not await asyncio.to_thread(
-            self.store.heartbeat_collector, self.collector_id, policy_version=policy_version
+            self.store.slots.heartbeat, self.collector_id, policy_version=policy_version
         ):
             # our slots were freed for others: every group we still finish would be refused
             self._failure = self._failure or StoreError(
@@ -462,7 +462,10 @@ class Collector:
         self._wake.set()
 
     def _read_store(self) -> tuple[dict[GroupStatus, int], PolicyRecord | None]:
-        return self.store.group_counts(self.run_id), self.store.latest_policy(self.run_id)
+        return (
+            self.store.claims.group_counts(self.run_id),
+            self.store.policy_versions.latest(self.run_id),
+        )
 
     def _refresh_metrics(self) -> None:
         self.metrics.policy_version = self.client.policy_version
@@ -515,6 +518,6 @@ def retire_predecessor(store: CollectorStore, spool: Path, collector_id: str) ->
     tmp.replace(owner)
     if not previous or previous == collector_id:
         return 0
-    freed = store.stop_collector(previous)
+    freed = store.slots.stop(previous)
     log.info("retired %s (this spool's previous collector): %d slots freed", previous, freed)
     return freed

@@ -98,7 +98,7 @@ async def collect(
     await asyncio.to_thread(check_checkpoints_readable, store, config.name)
     await asyncio.to_thread(store.upsert_tasks, [t.to_record() for t in tasks])
     host = cc.host_id or default_host()
-    collector_id = await asyncio.to_thread(store.register_collector, run_id=config.name, host=host)
+    collector_id = await asyncio.to_thread(store.slots.register, run_id=config.name, host=host)
     log.info("registered as collector %s", collector_id)
     # keep the registration live through the start-up (servers may take minutes); the
     # daemon heartbeats itself once it runs
@@ -149,13 +149,11 @@ async def collect(
             if config.inference.server_urls:
                 # External servers may hold other weights (another run, an older version):
                 # load this run's latest policy (version 0 = learner.model) before sampling.
-                latest = await asyncio.to_thread(store.latest_policy, config.name)
+                latest = await asyncio.to_thread(store.policy_versions.latest, config.name)
                 weights = latest.checkpoint_uri if latest else served_model(config.model)
                 version = latest.version if latest else 0
                 # announced first: checkpoint retention keeps what a collector is loading
-                await asyncio.to_thread(
-                    store.heartbeat_collector, collector_id, policy_version=version
-                )
+                await asyncio.to_thread(store.slots.heartbeat, collector_id, policy_version=version)
                 await inner.reload(weights, version)
         labels = {
             "sandpiper.run": config.name,
@@ -198,7 +196,7 @@ def run_collector_process(config: CollectorSettings) -> CollectorMetrics:
 
 def check_checkpoints_readable(store: CollectorStore, run_id: str) -> None:
     """Refuse to start when this host cannot read the folder the latest policy names."""
-    latest = store.latest_policy(run_id)
+    latest = store.policy_versions.latest(run_id)
     if latest is None:
         return
     folder = Path(latest.checkpoint_uri)
@@ -216,7 +214,7 @@ async def _beat(store: CollectorStore, collector_id: str, every_s: float) -> Non
     while True:
         await asyncio.sleep(every_s)
         try:
-            await asyncio.to_thread(store.heartbeat_collector, collector_id)
+            await asyncio.to_thread(store.slots.heartbeat, collector_id)
         except Exception as e:  # a store hiccup: the next beat retries
             log.warning("heartbeat failed: %s", e)
 

@@ -120,7 +120,7 @@ async def final_commit(
     try:
         # frees the slots of cancelled groups and unstarted leases for others at once
         freed = await call_bounded(
-            store.stop_collector, collector_id, timeout_s=deadline - time.monotonic()
+            store.slots.stop, collector_id, timeout_s=deadline - time.monotonic()
         )
     except Exception as e:  # the store failed or hung: the heartbeat TTL frees them
         log.warning(

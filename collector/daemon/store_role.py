@@ -1,12 +1,14 @@
 """What the collector process needs from the store, as Protocols (the learner's is
-:class:`sandpiper.trainer.learner.LearnerStore`).
+:class:`sandpiper.trainer.learner.LearnerStore`), named by the store's rooms.
 
 :class:`CollectorStore` is what the running :class:`~sandpiper.collector.daemon.core.Collector`
-calls (slots, heartbeats, counts, the latest policy, the stop): ``sandpiper.testing.FakeStore``
-implements it in memory for unit tests. :class:`CollectorHostStore` adds what the process's
-start-up calls once (``launch``, ``eval``, ``run_setup``): registering the run, its tasks and
-the collector, the writer on its spool, the store's id and the collectors' liveness (for the
-janitor). ``sandpiper.store.Store`` implements both.
+calls: ``store.slots`` (claims, heartbeats, the stop), ``store.claims.group_counts`` and
+``store.policy_versions.latest``; ``sandpiper.testing.FakeStore`` implements it in memory for
+unit tests. :class:`CollectorHostStore` adds what the process's start-up calls once
+(``launch``, ``eval``, ``run_setup``): registering the run, its tasks and the collector
+(``store.slots.register``), the writer on its spool, the store's id and the collectors'
+liveness (``store.slots.liveness``, for the janitor). ``sandpiper.store.Store`` implements
+both.
 """
 
 from __future__ import annotations
@@ -29,27 +31,60 @@ if TYPE_CHECKING:
     from sandpiper.store.writer import GroupWriter
 
 
-class CollectorStore(Protocol):
-    """The part of ``store.Store`` the running collector calls."""
+class CollectorSlots(Protocol):
+    """The part of ``store.slots`` (``store/slots.py:Slots``) the running collector calls."""
 
-    def claim_slots(
+    def claim(
         self, *, run_id: str, collector_id: str, tasks: Sequence[tuple[str, str]], ttl_s: float,
         n: int = ..., split: Split, only: Sequence[str] | None = ...,
     ) -> list[SlotLease]: ...  # fmt: skip
 
-    def heartbeat_collector(
-        self, collector_id: str, *, policy_version: int | None = ...
-    ) -> bool: ...
+    def heartbeat(self, collector_id: str, *, policy_version: int | None = ...) -> bool: ...
 
-    def stop_collector(self, collector_id: str) -> int: ...
+    def stop(self, collector_id: str) -> int: ...
+
+
+class HostSlots(CollectorSlots, Protocol):
+    """:class:`CollectorSlots` plus what the collector process's start-up calls."""
+
+    def register(
+        self, *, run_id: str, host: str | None = ..., collector_id: str | None = ...
+    ) -> str: ...
+
+    def liveness(self, *, ttl_s: float) -> dict[str, bool]: ...
+
+
+class GroupCounts(Protocol):
+    """The part of ``store.claims`` (``store/claims.py:Claims``) the collector reads."""
 
     def group_counts(self, run_id: str) -> dict[GroupStatus, int]: ...
 
-    def latest_policy(self, run_id: str) -> PolicyRecord | None: ...
+
+class LatestPolicy(Protocol):
+    """The part of ``store.policy_versions`` (``store/policies.py:PolicyVersions``) the
+    collector reads."""
+
+    def latest(self, run_id: str) -> PolicyRecord | None: ...
+
+
+class CollectorStore(Protocol):
+    """The part of ``store.Store`` the running collector calls, by room."""
+
+    @property
+    def slots(self) -> CollectorSlots: ...
+
+    @property
+    def claims(self) -> GroupCounts: ...
+
+    @property
+    def policy_versions(self) -> LatestPolicy: ...
 
 
 class CollectorHostStore(CollectorStore, Protocol):
     """:class:`CollectorStore` plus what the collector process's start-up calls."""
+
+    @property
+    def slots(self) -> HostSlots: ...
 
     def init(self) -> None: ...
 
@@ -57,13 +92,7 @@ class CollectorHostStore(CollectorStore, Protocol):
 
     def upsert_tasks(self, tasks: Iterable[TaskRecord]) -> None: ...
 
-    def register_collector(
-        self, *, run_id: str, host: str | None = ..., collector_id: str | None = ...
-    ) -> str: ...
-
     def store_id(self) -> str: ...
-
-    def collector_liveness(self, *, ttl_s: float) -> dict[str, bool]: ...
 
     def default_spool_dir(self) -> str: ...
 

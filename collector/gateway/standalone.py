@@ -63,6 +63,13 @@ DEFAULT_TIME_LIMIT_S = 600.0
 """An episode's time limit when its opener gives none (an external agent's default too)."""
 
 
+class PolicyReader(Protocol):
+    """The part of ``store.policy_versions`` (``store/policies.py:PolicyVersions``) the
+    gateway reads."""
+
+    def latest(self, run_id: str) -> PolicyRecord | None: ...
+
+
 class GatewayStore(Protocol):
     """The part of ``store.Store`` the ``sandpiper gateway`` process calls: a writer on a spool
     of its own, and the latest policy when it serves servers it did not start."""
@@ -71,7 +78,8 @@ class GatewayStore(Protocol):
 
     def writer(self, *, spool_dir: str | None = ...) -> GroupWriter: ...
 
-    def latest_policy(self, run_id: str) -> PolicyRecord | None: ...
+    @property
+    def policy_versions(self) -> PolicyReader: ...
 
 
 DEFAULT_TASK_ID = "gateway"
@@ -241,7 +249,7 @@ async def serve(
             client = VLLMPolicyClient.from_config(config.inference, urls)
             stack.push_async_callback(client.aclose)
             if config.inference.server_urls:
-                latest = await asyncio.to_thread(store.latest_policy, config.name)
+                latest = await asyncio.to_thread(store.policy_versions.latest, config.name)
                 await client.reload(
                     latest.checkpoint_uri if latest else config.model,
                     latest.version if latest else 0,

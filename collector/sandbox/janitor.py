@@ -92,7 +92,7 @@ async def verdicts(
 ) -> list[tuple[ContainerInfo, Verdict]]:
     """Every sandbox container (matching ``filters``) with the janitor's verdict."""
     store_id = await asyncio.to_thread(store.store_id)
-    live = await asyncio.to_thread(store.collector_liveness, ttl_s=ttl_s)
+    live = await asyncio.to_thread(store.slots.liveness, ttl_s=ttl_s)
     return [
         (c, judge(c, store_id=store_id, live=live, grace_s=grace_s))
         for c in await list_containers(filters)

@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
         """List the dead groups: set aside by a writer that could not commit them, or by a
         learner that could not read them (one JSON object a line, with the error)."""
         with cli_errors():
-            for d in _open(ctx, config, url).dead_groups(run):
+            for d in _open(ctx, config, url).dead_letters.all(run):
                 row = {k: getattr(d, k) for k in d.__slots__}
                 typer.echo(json.dumps(row, default=str, ensure_ascii=False))
 
@@ -106,7 +106,7 @@ def register(app: typer.Typer) -> None:
         from the spool bytes kept with it, a learner's group becomes ready again. Prints each
         group's outcome; exits 1 if any is still dead."""
         with cli_errors():
-            outcomes = _open(ctx, config, url).retry_dead(run_id=run, group_ids=group)
+            outcomes = _open(ctx, config, url).dead_letters.retry(run_id=run, group_ids=group)
             for gid, outcome in outcomes.items():
                 typer.echo(f"{gid}\t{outcome}")
             failed = sum(o.startswith("failed") for o in outcomes.values())

@@ -220,7 +220,7 @@ def run_sft(config: RunConfig, log_path: Path) -> str:
         )
     if done.returncode != 0:
         raise SandpiperError(f"SFT failed (exit {done.returncode}); see {log_path}")
-    latest = Store(config.store.url).latest_policy(config.name)
+    latest = Store(config.store.url).policy_versions.latest(config.name)
     if latest is None or latest.version == 0:
         raise SandpiperError(f"SFT registered no policy; see {log_path}")
     return latest.checkpoint_uri

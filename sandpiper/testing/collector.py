@@ -146,8 +146,10 @@ class FakeToolbox:
 
 
 class FakeStore:
-    """The slice of ``store.Store`` the daemon uses, in memory (slots as in the real store:
-    free slots first by (seq, rank), else a new round of the least-sampled tasks)."""
+    """The slice of ``store.Store`` the daemon uses, in memory, by room as the real store
+    composes them: ``slots`` (:class:`FakeSlots`: free slots first by (seq, rank), else a new
+    round of the least-sampled tasks, as in the real store), ``claims`` (group counts and
+    ids), ``policy_versions`` (the latest policy)."""
 
     def __init__(self) -> None:
         from sandpiper.store.records import GroupStatus
@@ -156,70 +158,94 @@ class FakeStore:
         self.policy = None
         self.committed: list[str] = []
         self.polls = 0
-        self.slots: dict[tuple[str, int], dict] = {}
-        """(task_id, seq) -> {"split", "rank", "status", "holder", "lease"}."""
         self.heartbeats: list[str] = []
         self.announced: list[tuple[str, int]] = []
         """(collector id, policy version) of heartbeats that named a version."""
         self.stopped: list[str] = []
+        self.slots = FakeSlots(self)
+        self.claims = FakeClaims(self)
+        self.policy_versions = FakePolicyVersions(self)
+
+
+class FakeClaims:
+    """The collector's reads of ``store.claims`` (``store/claims.py:Claims``)."""
+
+    def __init__(self, store: FakeStore) -> None:
+        self.store = store
 
     def group_ids(self, run_id: str, status=None) -> list[str]:
-        return list(self.committed)
+        return list(self.store.committed)
 
     def group_counts(self, run_id: str):
-        self.polls += 1
-        return dict(self.counts)
+        self.store.polls += 1
+        return dict(self.store.counts)
 
-    def latest_policy(self, run_id: str):
-        return self.policy
 
-    def heartbeat_collector(self, collector_id: str, *, policy_version=None) -> bool:
-        self.heartbeats.append(collector_id)
+class FakePolicyVersions:
+    """The collector's read of ``store.policy_versions`` (``store/policies.py:PolicyVersions``)."""
+
+    def __init__(self, store: FakeStore) -> None:
+        self.store = store
+
+    def latest(self, run_id: str):
+        return self.store.policy
+
+
+class FakeSlots:
+    """``store.slots`` (``store/slots.py:Slots``) as the running collector calls it."""
+
+    def __init__(self, store: FakeStore) -> None:
+        self.store = store
+        self.table: dict[tuple[str, int], dict] = {}
+        """(task_id, seq) -> {"split", "rank", "status", "holder", "lease"}."""
+
+    def heartbeat(self, collector_id: str, *, policy_version=None) -> bool:
+        self.store.heartbeats.append(collector_id)
         if policy_version is not None:
-            self.announced.append((collector_id, policy_version))
-        return collector_id not in self.stopped
+            self.store.announced.append((collector_id, policy_version))
+        return collector_id not in self.store.stopped
 
-    def stop_collector(self, collector_id: str) -> int:
-        self.stopped.append(collector_id)
+    def stop(self, collector_id: str) -> int:
+        self.store.stopped.append(collector_id)
         mine = [
             s
-            for s in self.slots.values()
+            for s in self.table.values()
             if s["holder"] == collector_id and s["status"] == "leased"
         ]
         for slot in mine:
             slot["status"] = "free"
         return len(mine)
 
-    def claim_slots(self, *, run_id, collector_id, tasks, ttl_s, n=1, split, only=None):
+    def claim(self, *, run_id, collector_id, tasks, ttl_s, n=1, split, only=None):
         from sandpiper.store.records import SlotLease
 
         leases: list[SlotLease] = []
         while len(leases) < n:
             free = sorted(
                 (s["seq"], s["rank"], t)
-                for (t, _), s in self.slots.items()
+                for (t, _), s in self.table.items()
                 if s["status"] == "free" and s["split"] == split and (only is None or t in only)
             )
             if not free:
                 wanted = [(t, r) for t, r in tasks if only is None or t in only]
                 nxt = {
-                    t: 1 + max((q for (u, q) in self.slots if u == t), default=-1)
+                    t: 1 + max((q for (u, q) in self.table if u == t), default=-1)
                     for t, _ in wanted
                 }
                 low = min(nxt.values())
                 for t, r in wanted:
                     if nxt[t] == low:
-                        self.slots[(t, low)] = {"seq": low, "rank": r, "split": split,
+                        self.table[(t, low)] = {"seq": low, "rank": r, "split": split,
                                                 "status": "free", "holder": None, "lease": 0}  # fmt: skip
                 continue
             seq, _, task_id = free[0]
-            slot = self.slots[(task_id, seq)]
+            slot = self.table[(task_id, seq)]
             slot.update(status="leased", holder=collector_id, lease=slot["lease"] + 1)
             leases.append(SlotLease(run_id, task_id, seq, slot["lease"], collector_id))
         return leases
 
-    def release_slot(self, lease) -> bool:
-        slot = self.slots[(lease.task_id, lease.seq)]
+    def release(self, lease) -> bool:
+        slot = self.table[(lease.task_id, lease.seq)]
         if slot["lease"] != lease.lease or slot["status"] != "leased":
             return False
         slot["status"] = "free"
@@ -242,7 +268,7 @@ class FakeWriter:
         from sandpiper.store.records import GroupStatus, Split, WriteOutcome
 
         seq = int(group.group_id.rpartition("/")[2])
-        slot = self.store.slots.get((group.task_id, seq))
+        slot = self.store.slots.table.get((group.task_id, seq))
         if group.group_id in self.store.committed:
             outcome = WriteOutcome.REPLAYED
         elif slot is not None and slot["lease"] != group.slot_lease:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import replace
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -45,101 +46,148 @@ def to_train_group(group: GroupRecord) -> TrainGroup:
 
 
 class MemoryStore:
-    """In-process stand-in for ``store.Store``'s learner API (claims without leases; the
-    leadership lease and its fence are checked as the real store does)."""
+    """In-process stand-in for ``store.Store``'s learner API, by room as the real store
+    composes them (``policy_versions``, ``leases``, ``claims``, ``slots``): claims without
+    leases; the leadership lease and its fence are checked as the real store does."""
 
     def __init__(self) -> None:
         self.registered: list[PolicyRecord] = []
         self.ready: list[TrainGroup] = []
         self.collector_versions: set[int] = set()
         """Policy versions live collectors announced (retention keeps them)."""
-        self.claims: dict[str, tuple[TrainGroup, ...]] = {}
+        self.claimed: dict[str, tuple[TrainGroup, ...]] = {}
         self.consumed: dict[str, int] = {}
         self.steps: list[dict] = []
         self.lease: LeaseRecord | None = None
+        self.policy_versions = MemoryPolicyVersions(self)
+        self.leases = MemoryLeases(self)
+        self.claims = MemoryClaims(self)
+        self.slots = MemorySlots(self)
 
     def write_groups(self, groups: list[GroupRecord]) -> None:
         self.ready.extend(to_train_group(g) for g in groups)
 
-    def latest_policy(self, run_id: str) -> PolicyRecord | None:
-        return self.registered[-1] if self.registered else None
-
-    def policies(self, run_id: str) -> list[PolicyRecord]:
-        return list(self.registered)
-
-    def oldest_version_in_flight(self, run_id: str) -> int | None:
-        live = self.ready + [g for c in self.claims.values() for g in c]
-        return min((g.min_policy_version for g in live), default=None)
-
-    def collector_policy_versions(self, *, run_id: str, within_s: float) -> set[int]:
-        return set(self.collector_versions)
-
-    def acquire_lease(self, *, run_id, learner_id, lease_s) -> LeaseRecord:
-        now = utcnow()
-        expires = now + timedelta(seconds=lease_s)
-        held = self.lease
-        if held is None or held.learner_id == learner_id or held.expires_at <= now:
-            term = 1 if held is None else held.term + (held.learner_id != learner_id)
-            if held is not None and held.learner_id != learner_id:
-                for claim in self.claims.values():  # the deposed leader's claims
-                    self.ready = list(claim) + self.ready
-                self.claims.clear()
-            self.lease = LeaseRecord(run_id, learner_id, term, expires, True)
-            return self.lease
-        return replace(held, held=False)
-
-    def _check(self, fence: Fence | None) -> None:
+    def check(self, fence: Fence | None) -> None:
+        """Refuse a fenced call of a deposed learner (as ``store/leases.py:check``)."""
         if fence is not None and (
             self.lease is None or (self.lease.learner_id, self.lease.term)
             != (fence.learner_id, fence.term)
         ):  # fmt: skip
             raise NotLeaderError(f"learner {fence.learner_id} term {fence.term} was deposed")
 
-    def renew_lease(self, fence: Fence, *, lease_s: float) -> LeaseRecord:
-        self._check(fence)
-        return self.acquire_lease(run_id=fence.run_id, learner_id=fence.learner_id,
-                                  lease_s=lease_s)  # fmt: skip
 
-    def current_lease(self, run_id: str) -> LeaseRecord | None:
-        return None if self.lease is None else replace(self.lease, held=False)
+class MemoryPolicyVersions:
+    """``store.policy_versions`` (``store/policies.py:PolicyVersions``) of a :class:`MemoryStore`."""
 
-    def release_lease(self, fence: Fence) -> None:
-        if self.lease is not None and self.lease.term == fence.term:
-            self.lease = replace(self.lease, expires_at=utcnow())
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
 
-    def claim_batch(self, *, run_id, learner_id, n_groups, max_lag, lease_s=600.0, fence=None):
-        self._check(fence)
-        current = self.registered[-1].version if self.registered else 0
-        fresh = [g for g in self.ready if g.min_policy_version >= current - max_lag]
-        dropped = len(self.ready) - len(fresh)
-        self.ready = fresh
-        if len(fresh) < n_groups:
-            return None
-        taken, self.ready = tuple(fresh[:n_groups]), fresh[n_groups:]
-        claim_id = uuid.uuid4().hex
-        self.claims[claim_id] = taken
-        return TrainBatch(claim_id, taken, dropped, current)
-
-    def release_claim(self, claim_id: str, *, fence=None) -> None:
-        self._check(fence)
-        self.ready = list(self.claims.pop(claim_id)) + self.ready
-
-    def register_policy(self, policy: PolicyRecord, *, claim_id=None, metrics=None, fence=None):
-        self._check(fence)
-        latest = self.registered[-1].version if self.registered else None
+    def register(self, policy: PolicyRecord, *, claim_id=None, metrics=None, fence=None) -> None:
+        st = self.store
+        st.check(fence)
+        latest = st.registered[-1].version if st.registered else None
         if policy.parent_version != latest:
             raise PolicyConflictError(f"version {policy.version}: latest is {latest}")
-        self.registered.append(policy)
+        st.registered.append(policy)
         if claim_id is not None:
-            for g in self.claims.pop(claim_id):
-                assert g.group_id not in self.consumed, "group trained twice"
-                self.consumed[g.group_id] = policy.version
+            for g in st.claimed.pop(claim_id):
+                assert g.group_id not in st.consumed, "group trained twice"
+                st.consumed[g.group_id] = policy.version
         if policy.learner_step is not None:
-            self.steps.append(metrics or {})
+            st.steps.append(metrics or {})
+
+    def latest(self, run_id: str) -> PolicyRecord | None:
+        return self.store.registered[-1] if self.store.registered else None
+
+    def all(self, run_id: str) -> list[PolicyRecord]:
+        return list(self.store.registered)
+
+    def oldest_in_flight(self, run_id: str) -> int | None:
+        live = self.store.ready + [g for c in self.store.claimed.values() for g in c]
+        return min((g.min_policy_version for g in live), default=None)
+
+
+class MemoryLeases:
+    """``store.leases`` (``store/leases.py:Leases``) of a :class:`MemoryStore`."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+
+    def acquire(self, *, run_id, learner_id, lease_s) -> LeaseRecord:
+        st = self.store
+        now = utcnow()
+        expires = now + timedelta(seconds=lease_s)
+        held = st.lease
+        if held is None or held.learner_id == learner_id or held.expires_at <= now:
+            term = 1 if held is None else held.term + (held.learner_id != learner_id)
+            if held is not None and held.learner_id != learner_id:
+                for claim in st.claimed.values():  # the deposed leader's claims
+                    st.ready = list(claim) + st.ready
+                st.claimed.clear()
+            st.lease = LeaseRecord(run_id, learner_id, term, expires, True)
+            return st.lease
+        return replace(held, held=False)
+
+    def renew(self, fence: Fence, *, lease_s: float) -> LeaseRecord:
+        self.store.check(fence)
+        return self.acquire(run_id=fence.run_id, learner_id=fence.learner_id, lease_s=lease_s)
+
+    def current(self, run_id: str) -> LeaseRecord | None:
+        lease = self.store.lease
+        return None if lease is None else replace(lease, held=False)
+
+    def release(self, fence: Fence) -> None:
+        st = self.store
+        if st.lease is not None and st.lease.term == fence.term:
+            st.lease = replace(st.lease, expires_at=utcnow())
+
+
+class MemoryClaims:
+    """The learner's part of ``store.claims`` (``store/claims.py:Claims``) of a
+    :class:`MemoryStore`."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+
+    def claim(self, *, run_id, learner_id, n_groups, max_lag, lease_s=600.0, fence=None):
+        st = self.store
+        st.check(fence)
+        current = st.registered[-1].version if st.registered else 0
+        fresh = [g for g in st.ready if g.min_policy_version >= current - max_lag]
+        dropped = len(st.ready) - len(fresh)
+        st.ready = fresh
+        if len(fresh) < n_groups:
+            return None
+        taken, st.ready = tuple(fresh[:n_groups]), fresh[n_groups:]
+        claim_id = uuid.uuid4().hex
+        st.claimed[claim_id] = taken
+        return TrainBatch(claim_id, taken, dropped, current)
+
+    def release(self, claim_id: str, *, fence=None) -> None:
+        st = self.store
+        st.check(fence)
+        st.ready = list(st.claimed.pop(claim_id)) + st.ready
 
     def sft_episodes(self, *, run_id, min_reward, limit=None) -> list[TrainEpisode]:
         eps = [
-            e for g in self.ready for e in g.episodes
+            e for g in self.store.ready for e in g.episodes
             if e.valid and e.reward is not None and e.reward >= min_reward
         ]  # fmt: skip
         return eps[:limit] if limit is not None else eps
+
+
+class MemorySlots:
+    """What the learner reads of ``store.slots`` (``store/slots.py:Slots``) in a
+    :class:`MemoryStore`: the versions live collectors announced."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+
+    def referenced_versions(self, *, run_id: str, within_s: float) -> set[int]:
+        return set(self.store.collector_versions)
+
+
+if TYPE_CHECKING:  # mypy holds the fake to the Protocol the learner is typed with
+    from sandpiper.trainer.learner import LearnerStore
+
+    _MEMORY_STORE: LearnerStore = MemoryStore()

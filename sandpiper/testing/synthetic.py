@@ -384,17 +384,19 @@ def populate(store: Any, run: SyntheticRun) -> None:
     """
     store.ensure_run(run.run)
     store.upsert_tasks(run.tasks)
-    store.register_policy(run.initial_policy)
+    store.policy_versions.register(run.initial_policy)
     for version, groups in sorted(run.groups_by_version.items()):
         store.write_groups(groups)
         if version >= len(run.steps):
             continue
         step = run.steps[version]
-        batch = store.claim_batch(
+        batch = store.claims.claim(
             run_id=run.run.run_id,
             learner_id="synthetic-learner",
             n_groups=run.groups_per_step,
             max_lag=run.max_lag,
         )
         if batch is not None:
-            store.register_policy(step.policy, claim_id=batch.claim_id, metrics=step.metrics)
+            store.policy_versions.register(
+                step.policy, claim_id=batch.claim_id, metrics=step.metrics
+            )

@@ -89,12 +89,12 @@ def long_report(tmp_path_factory) -> Path:
     store.init()
     store.ensure_run(run.run)
     store.upsert_tasks(run.tasks)
-    store.register_policy(run.initial_policy)
+    store.policy_versions.register(run.initial_policy)
     store.write_groups(run.groups)
     for step in run.steps[:LONG_STEPS]:
-        batch = store.claim_batch(run_id="synthetic", learner_id="l", n_groups=1, max_lag=10**6)
+        batch = store.claims.claim(run_id="synthetic", learner_id="l", n_groups=1, max_lag=10**6)
         assert batch is not None
-        store.register_policy(step.policy, claim_id=batch.claim_id, metrics=step.metrics)
+        store.policy_versions.register(step.policy, claim_id=batch.claim_id, metrics=step.metrics)
     store.close()
     build_report(url, base / "out", run_id="synthetic")
     return base / "out"

@@ -106,7 +106,7 @@ def test_short_run_stores_token_exact_groups(vllm_server, sandbox_image, tmp_pat
             assert r[4] == "assistant" and len(r[6]) == len(r[7]) == len(r[8]) > 0
             assert all(lp <= 0.0 for lp in r[7]) and set(r[8]) == {0}  # collect loads v0
     # the claimable training view: the loss mask covers exactly the sampled tokens
-    batch = store.claim_batch(run_id="it-short", learner_id="t", n_groups=2, max_lag=5)
+    batch = store.claims.claim(run_id="it-short", learner_id="t", n_groups=2, max_lag=5)
     assert batch is not None and len(batch.groups) == 2
     for episode in (e for g in batch.groups for e in g.episodes):
         n_sampled = sum(len(r[6]) for r in by_episode[episode.episode_id] if r[5])
@@ -125,7 +125,7 @@ def _wait_for_groups(store, n: int, proc: subprocess.Popen, log: Path, timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"collector exited early:\n{log.read_text()[-3000:]}"
         try:
-            if len(store.group_ids("it-crash")) >= n:
+            if len(store.claims.group_ids("it-crash")) >= n:
                 return
         except Exception:  # the collector may hold the DuckDB lock for a moment
             pass
@@ -148,7 +148,7 @@ def test_sigkill_and_restart_no_duplicates_no_leftovers(vllm_server, sandbox_ima
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
         assert _containers(config), "a killed collector leaves its containers behind"
-        seen_before = set(store.group_ids("it-crash"))
+        seen_before = set(store.claims.group_ids("it-crash"))
         second = _start(toml, log)
         try:
             _wait_for_groups(store, len(seen_before) + 3, second, log, timeout_s=300)
@@ -159,7 +159,7 @@ def test_sigkill_and_restart_no_duplicates_no_leftovers(vllm_server, sandbox_ima
         if first.poll() is None:
             first.kill()
     assert _containers(config) == []
-    ids = store.group_ids("it-crash")
+    ids = store.claims.group_ids("it-crash")
     assert seen_before <= set(ids)
     per_group = _rows(store, "SELECT group_id, count(*) FROM episodes GROUP BY group_id")
     assert all(n == 2 for _, n in per_group) and len(per_group) == len(ids)
@@ -195,10 +195,11 @@ def test_a_policy_registered_in_the_store_is_hot_loaded(vllm_server, sandbox_ima
                 await asyncio.sleep(0.5)
                 if run.done() or await _versions(store):
                     break
-            latest = await asyncio.to_thread(store.latest_policy, "it-reload")
+            latest = await asyncio.to_thread(store.policy_versions.latest, "it-reload")
             parent = latest.version if latest is not None else None  # the one registered last
             await asyncio.to_thread(
-                store.register_policy, PolicyRecord("it-reload", 1, str(checkpoint), parent, None)
+                store.policy_versions.register,
+                PolicyRecord("it-reload", 1, str(checkpoint), parent, None),
             )
             for _ in range(600):
                 await asyncio.sleep(0.5)
@@ -255,5 +256,5 @@ def test_eval_mode_against_the_chat_endpoint(vllm_server, sandbox_image, tmp_pat
     assert all(valid for _, valid, _, _ in episodes), episodes
     turns = _rows(store, "SELECT octet_length(token_ids) // 4, trainable FROM turns")
     assert turns and all(n_ids == 0 and not trainable for n_ids, trainable in turns)
-    assert store.claim_batch(run_id="it-eval", learner_id="t", n_groups=1, max_lag=9) is None
+    assert store.claims.claim(run_id="it-eval", learner_id="t", n_groups=1, max_lag=9) is None
     assert _containers(config) == []

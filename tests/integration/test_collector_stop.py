@@ -206,7 +206,7 @@ def test_sigterm_with_the_store_locked_stops_within_the_drain_timeout(
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"collector exited:\n{log.read_text()[-3000:]}"
             try:
-                if store.group_ids("it-locked"):
+                if store.claims.group_ids("it-locked"):
                     break
             except Exception:  # the collector holds the lock for a moment
                 pass
@@ -247,8 +247,8 @@ def test_sigterm_with_the_store_locked_stops_within_the_drain_timeout(
             holder.communicate(timeout=30)  # closing its stdin releases the lock
         asyncio.run(remove_containers({"sandpiper.run": "it-locked"}, state_dir=None))
     # with the lock free, the spool commits: nothing acknowledged was lost
-    before = set(store.group_ids("it-locked"))
+    before = set(store.claims.group_ids("it-locked"))
     with store.writer(spool_dir=str(own_spool), flush_interval_s=0.1) as writer:
         writer.flush(timeout_s=60)
-    after = set(store.group_ids("it-locked"))
+    after = set(store.claims.group_ids("it-locked"))
     assert len(after - before) == len(spooled)

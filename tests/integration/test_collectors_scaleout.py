@@ -182,7 +182,7 @@ def test_kill_9_and_restart_loses_and_duplicates_nothing(url, tmp_path):
     assert a2.final()[1] == len(refused)
     # the restart retired the killed process at once (no TTL wait): nothing stays leased
     store = Store(url)
-    assert store.slot_counts("run")["leased"] == 0
-    rows = {r.collector_id: r for r in store.collectors("run")}
+    assert store.slots.counts("run")["leased"] == 0
+    rows = {r.collector_id: r for r in store.slots.collectors("run")}
     assert all(r.stopped_at is not None for r in rows.values()) and len(rows) == 3
     store.close()

@@ -53,7 +53,7 @@ def _latest(store_url: str) -> tuple[int | None, int | None]:
         return None, None  # never make the file here: the collector creates it
     try:
         store = Store(store_url)
-        latest = store.latest_policy(RUN)
+        latest = store.policy_versions.latest(RUN)
         with store.connect_readonly() as conn:
             sampled = conn.execute(sa.text("SELECT max(max_policy_version) FROM groups")).scalar()
     except Exception:  # not created yet, or the collector's/learner's write lock

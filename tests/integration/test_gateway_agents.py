@@ -125,6 +125,6 @@ def test_mini_swe_agent_collects_and_the_learner_trains(vllm_server, sandbox_ima
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    latest = store.latest_policy("gw-mini")
+    latest = store.policy_versions.latest("gw-mini")
     assert latest is not None and latest.version == 1 and latest.parent_version == 0
-    assert store.group_ids("gw-mini", status=GroupStatus.CONSUMED)
+    assert store.claims.group_ids("gw-mini", status=GroupStatus.CONSUMED)

@@ -49,9 +49,9 @@ def test_sft_then_grpo_through_the_cli(tmp_path, learner_tiny_model) -> None:
                         for i in range(2)])  # fmt: skip
 
     _learn(config, "--algo", "sft")
-    assert store.latest_policy("lt").version == 1
+    assert store.policy_versions.latest("lt").version == 1
     _learn(config)  # GRPO: version 2 from the two ready groups, then max_steps stops it
-    latest = store.latest_policy("lt")
+    latest = store.policy_versions.latest("lt")
     assert latest.version == 2 and latest.parent_version == 1
 
     AutoTokenizer.from_pretrained(latest.checkpoint_uri)

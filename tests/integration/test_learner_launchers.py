@@ -86,8 +86,8 @@ def _launch(tmp: Path, model: Path, groups: bytes, launcher: str) -> dict:
     assert out.count("learner finished after 2 step(s) in this process") == 2, out[-3000:]
     # every rank freed its gloo groups before exiting (trainer.engine.shutdown_distributed)
     assert "outlive the process group" not in out, out[-3000:]
-    latest = store.latest_policy("lt")
-    assert latest.version == 2 and store.group_counts("lt")["consumed"] == 4
+    latest = store.policy_versions.latest("lt")
+    assert latest.version == 2 and store.claims.group_counts("lt")["consumed"] == 4
     return load_file(str(Path(latest.checkpoint_uri) / "model.safetensors"))
 
 

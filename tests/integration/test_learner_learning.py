@@ -32,7 +32,7 @@ def test_reward_rises_on_bandit(tmp_path, learner_tiny_model, lr: float) -> None
     store = Store(cfg.store.url)
     store.init()
     learner = Learner(cfg.for_learner(), store, init_distributed())
-    assert learner.version == 0 and store.latest_policy("lt").version == 0
+    assert learner.version == 0 and store.policy_versions.latest("lt").version == 0
     steps: list[list[tuple[float, str]]] = []  # per step: (reward, group id) per episode
     seq = 0
     for step in range(30):
@@ -44,13 +44,13 @@ def test_reward_rises_on_bandit(tmp_path, learner_tiny_model, lr: float) -> None
             )  # fmt: skip
             seq += 1
         store.write_groups(groups)
-        batch = store.claim_batch(run_id="lt", learner_id="t", n_groups=4, max_lag=1)
+        batch = store.claims.claim(run_id="lt", learner_id="t", n_groups=4, max_lag=1)
         assert batch is not None and batch.dropped_stale == 0
         metrics = learner.train_step(batch)
         steps.append([(e.reward, g.group_id) for g in groups for e in g.episodes])
         assert metrics["is/w_mean"] == pytest.approx(1.0, abs=1e-3)  # sampled on-policy
         assert learner.version == step + 1
-    assert store.latest_policy("lt").version == 30
+    assert store.policy_versions.latest("lt").version == 30
     early = [e for step in steps[:5] for e in step]
     late = [e for step in steps[-5:] for e in step]
     rise = reward_rise(

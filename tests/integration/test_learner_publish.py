@@ -94,7 +94,7 @@ def test_ranks_outwait_a_one_second_collective_timeout(tmp_path, learner_tiny_mo
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        while store.latest_policy("lt") is None:  # the learner is up and waits for a batch
+        while store.policy_versions.latest("lt") is None:  # the learner is up and waits for a batch
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
@@ -108,5 +108,5 @@ def test_ranks_outwait_a_one_second_collective_timeout(tmp_path, learner_tiny_mo
             proc.wait(timeout=30)
     text = log.read_text()
     assert "learner trains on cpu" in text, text[-3000:]
-    assert store.latest_policy("lt").version == 1, text[-3000:]
+    assert store.policy_versions.latest("lt").version == 1, text[-3000:]
     assert "written (float32 weights" in text, text[-3000:]

@@ -46,7 +46,7 @@ def _start(config: Path, log: Path) -> subprocess.Popen:
 
 
 def _latest(store) -> int:
-    latest = store.latest_policy("lt")
+    latest = store.policy_versions.latest("lt")
     return -1 if latest is None else latest.version
 
 
@@ -83,7 +83,9 @@ def _setup(tmp: Path, model: Path, groups_pkl: Path, **extra):
 def _final_weights(store) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(Path(store.latest_policy("lt").checkpoint_uri) / "model.safetensors"))
+    return load_file(
+        str(Path(store.policy_versions.latest("lt").checkpoint_uri) / "model.safetensors")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +126,7 @@ def _assert_history(store, tmp: Path) -> None:
     assert sorted(c for _, c in groups) == sorted(list(range(1, STEPS + 1)) * PER_STEP)
     # Every folder left is a registered version (grace keeps them all in a short test);
     # a killed learner's unregistered or half-written folders were swept.
-    registered = {Path(p.checkpoint_uri).name for p in store.policies("lt")}
+    registered = {Path(p.checkpoint_uri).name for p in store.policy_versions.all("lt")}
     assert {p.name for p in (tmp / "runs/lt/policies").iterdir()} == registered
 
 
@@ -181,7 +183,7 @@ def test_standby_takes_over_when_the_leader_is_killed(tmp_path, learner_tiny_mod
             assert time.monotonic() < deadline, logs[0].read_text()[-2000:]
             assert all(p.poll() is None for p in procs), [x.read_text()[-2000:] for x in logs]
             time.sleep(0.05)
-        lease = store.current_lease("lt")
+        lease = store.leases.current("lt")
         leader_pid = int(lease.learner_id.split(":")[1])  # host:pid:start:random
         leader = next(i for i, p in enumerate(procs) if p.pid == leader_pid)
         standby = 1 - leader
@@ -196,9 +198,9 @@ def test_standby_takes_over_when_the_leader_is_killed(tmp_path, learner_tiny_mod
                 _kill(p)
     text = logs[standby].read_text()
     assert f"standby: run lt is led by learner {lease.learner_id} (term 1" in text
-    assert store.current_lease("lt").term == 2
+    assert store.leases.current("lt").term == 2
     # The standby registered every version after the kill, under its own term.
-    names = [Path(p.checkpoint_uri).name for p in store.policies("lt")]
+    names = [Path(p.checkpoint_uri).name for p in store.policy_versions.all("lt")]
     assert all(n.endswith("-t0002") for n in names[killed_at + 1 :]), names
     assert all(n.endswith("-t0001") for n in names[: killed_at + 1]), names
     _assert_history(store, tmp_path)

@@ -131,9 +131,9 @@ def _collect_and_learn(tmp_path: Path, vllm_server, name: str, command: str, env
         cwd=REPO, env=env_learn, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    latest = store.latest_policy(name)
+    latest = store.policy_versions.latest(name)
     assert latest is not None and latest.version == 1 and latest.parent_version == 0
-    assert store.group_ids(name, status=GroupStatus.CONSUMED)
+    assert store.claims.group_ids(name, status=GroupStatus.CONSUMED)
 
 
 def _assert_token_exact(model_dir: Path, episodes: list) -> None:

@@ -55,7 +55,7 @@ def _train_two_steps(tmp_path, model_dir):
                         for i in range(4)])  # fmt: skip
     metrics = {}
     for step in (1, 2):  # step 2 trains from version 1 on groups sampled by version 0
-        batch = store.claim_batch(run_id="lt", learner_id="t", n_groups=2, max_lag=10)
+        batch = store.claims.claim(run_id="lt", learner_id="t", n_groups=2, max_lag=10)
         metrics[step] = learner.train_step(batch)
     return cfg, store, metrics
 

@@ -148,9 +148,9 @@ def test_gc_judges_by_store_heartbeats_not_pids(sandbox_config, sandbox_image, t
 
     store = Store(f"duckdb:///{tmp_path / 'store.duckdb'}")
     store.init()
-    dead = store.register_collector(run_id="run", host="elsewhere")
-    live = store.register_collector(run_id="run", host="elsewhere")
-    store.stop_collector(dead)
+    dead = store.slots.register(run_id="run", host="elsewhere")
+    live = store.slots.register(run_id="run", host="elsewhere")
+    store.slots.stop(dead)
     run = f"gc-test-{os.getpid()}-{time.time_ns()}"  # gc is scoped to this test's containers
     sid = store.store_id()
     labels = {
@@ -278,11 +278,11 @@ _NAMESPACED_COLLECTOR = """
 import os, socket, sys, time
 from sandpiper.store import Store
 store = Store(sys.argv[1])
-cid = store.register_collector(run_id="run")  # host: this namespace's own host name
+cid = store.slots.register(run_id="run")  # host: this namespace's own host name
 print(cid, socket.gethostname(), os.getpid(), flush=True)
 while True:  # heartbeat until killed, as a running collector does
     time.sleep(0.5)
-    store.heartbeat_collector(cid)
+    store.slots.heartbeat(cid)
 """
 
 
@@ -321,8 +321,10 @@ def test_gc_keeps_a_live_collector_in_another_pid_namespace_and_host(
         assert host == "simulated-host-b" != os.uname().nodename
         assert int(inner_pid) == pid and not Path(f"/proc/{pid}").exists()
         # a collector of this host whose pid (ours) is alive, but whose heartbeat lapses
-        lapsed = store.register_collector(run_id="run")
-        assert [r.pid for r in store.collectors("run") if r.collector_id == lapsed] == [os.getpid()]
+        lapsed = store.slots.register(run_id="run")
+        assert [r.pid for r in store.slots.collectors("run") if r.collector_id == lapsed] == [
+            os.getpid()
+        ]
         sid = store.store_id()
 
         async def make(i: int, cid: str):

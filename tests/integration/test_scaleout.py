@@ -138,14 +138,14 @@ def _rows(store, sql: str) -> list[tuple]:
 
 def _lease(store):
     try:
-        return store.current_lease("so")
+        return store.leases.current("so")
     except Exception:  # the store may be locked for a moment
         return None
 
 
 def _latest(store) -> int:
     try:
-        latest = store.latest_policy("so")
+        latest = store.policy_versions.latest("so")
     except Exception:  # the store may not exist yet, or be locked for a moment
         return -1
     return -1 if latest is None else latest.version
@@ -211,7 +211,7 @@ def test_two_collectors_two_rank_leader_killed_standby_finishes(
 
     standby_log = logs["standby"].read_text()
     assert f"standby: run so is led by learner {leader_id}" in standby_log
-    assert store.current_lease("so").term == 2
+    assert store.leases.current("so").term == 2
     # What each collector acknowledged is exactly what the store holds from it.
     acked = {}
     for name in ("col-a", "col-b"):

@@ -40,7 +40,7 @@ def store(store_url, tmp_path):
     s = Store(store_url, lock_timeout_s=10)
     s.init()
     s.ensure_run(RunRecord("run", '{"a": 1}', "test"))
-    s.register_policy(PolicyRecord("run", 0, "ckpt/0", None, None))
+    s.policy_versions.register(PolicyRecord("run", 0, "ckpt/0", None, None))
     yield s
     s.close()
 
@@ -57,9 +57,9 @@ def test_init_is_idempotent_and_records_version(store):
     store.init()
     store.ensure_run(RunRecord("run", "{}", "test"))
     with pytest.raises(PolicyConflictError, match="latest registered version is 0"):
-        store.register_policy(PolicyRecord("run", 0, "ckpt/0", None, None))
+        store.policy_versions.register(PolicyRecord("run", 0, "ckpt/0", None, None))
     assert store.schema_version() == migrations.latest_version()
-    assert store.latest_policy("run").version == 0
+    assert store.policy_versions.latest("run").version == 0
 
 
 def test_written_groups_come_back_exactly_once(store, tmp_path):
@@ -71,12 +71,12 @@ def test_written_groups_come_back_exactly_once(store, tmp_path):
     assert stats["rows"]["groups"] == 5
     assert stats["rows"]["episodes"] == 20
     assert stats["rows"]["turns"] == 60
-    assert store.group_counts("run")[GroupStatus.READY] == 5
+    assert store.claims.group_counts("run")[GroupStatus.READY] == 5
 
 
 def test_claim_returns_numpy_arrays_and_consumes_on_register(store, tmp_path):
     _write(store, [make_group(f"g{i}", tokens_per_turn=11) for i in range(4)], tmp_path)
-    batch = store.claim_batch(run_id="run", learner_id="L1", n_groups=3, max_lag=1)
+    batch = store.claims.claim(run_id="run", learner_id="L1", n_groups=3, max_lag=1)
     assert batch is not None and batch.group_ids == ("g0", "g1", "g2")
     ep = batch.groups[1].episodes[2]
     assert isinstance(ep.token_ids_T, np.ndarray) and ep.token_ids_T.dtype == np.int32
@@ -84,14 +84,14 @@ def test_claim_returns_numpy_arrays_and_consumes_on_register(store, tmp_path):
     np.testing.assert_array_equal(ep.token_ids_T, want)
     np.testing.assert_array_equal(ep.loss_mask_T, np.repeat([False, True, False], 11))
     assert ep.behaviour_logprobs_T.dtype == np.float32
-    assert store.claim_batch(run_id="run", learner_id="L2", n_groups=3, max_lag=1) is None
+    assert store.claims.claim(run_id="run", learner_id="L2", n_groups=3, max_lag=1) is None
 
-    store.register_policy(
+    store.policy_versions.register(
         PolicyRecord("run", 1, "ckpt/1", 0, 0), claim_id=batch.claim_id, metrics={"loss": 0.5}
     )
-    counts = store.group_counts("run")
+    counts = store.claims.group_counts("run")
     assert counts[GroupStatus.CONSUMED] == 3 and counts[GroupStatus.READY] == 1
-    assert store.latest_policy("run").version == 1
+    assert store.policy_versions.latest("run").version == 1
     with store.connect_readonly() as conn:
         row = conn.execute(sa.text("SELECT n_groups, policy_version FROM learner_steps")).one()
     assert tuple(row) == (3, 1)
@@ -99,39 +99,41 @@ def test_claim_returns_numpy_arrays_and_consumes_on_register(store, tmp_path):
 
 def test_register_rolls_back_when_claim_was_lost(store, tmp_path):
     _write(store, [make_group("g0")], tmp_path)
-    batch = store.claim_batch(run_id="run", learner_id="L1", n_groups=1, max_lag=1)
-    store.release_claim(batch.claim_id)
+    batch = store.claims.claim(run_id="run", learner_id="L1", n_groups=1, max_lag=1)
+    store.claims.release(batch.claim_id)
     with pytest.raises(StoreError, match="holds no groups"):
-        store.register_policy(PolicyRecord("run", 1, "ckpt/1", 0, 0), claim_id=batch.claim_id)
-    assert store.latest_policy("run").version == 0  # nothing of the failed step remains
-    assert store.group_counts("run")[GroupStatus.READY] == 1
+        store.policy_versions.register(
+            PolicyRecord("run", 1, "ckpt/1", 0, 0), claim_id=batch.claim_id
+        )
+    assert store.policy_versions.latest("run").version == 0  # nothing of the failed step remains
+    assert store.claims.group_counts("run")[GroupStatus.READY] == 1
 
 
 def test_stale_groups_are_dropped_and_counted(store, tmp_path):
     for v in (1, 2, 3):
-        store.register_policy(PolicyRecord("run", v, f"ckpt/{v}", v - 1, v - 1))
+        store.policy_versions.register(PolicyRecord("run", v, f"ckpt/{v}", v - 1, v - 1))
     old = [make_group(f"old{i}", policy_version=0) for i in range(2)]
     fresh = [make_group(f"new{i}", policy_version=2) for i in range(2)]
     _write(store, old + fresh, tmp_path)
-    batch = store.claim_batch(run_id="run", learner_id="L", n_groups=2, max_lag=1)
+    batch = store.claims.claim(run_id="run", learner_id="L", n_groups=2, max_lag=1)
     assert batch.dropped_stale == 2 and batch.current_version == 3
     assert set(batch.group_ids) == {"new0", "new1"}
-    assert store.group_counts("run")[GroupStatus.DROPPED_STALE] == 2
+    assert store.claims.group_counts("run")[GroupStatus.DROPPED_STALE] == 2
 
 
 def test_restarted_learner_retakes_its_own_claim(store, tmp_path):
     _write(store, [make_group(f"g{i}") for i in range(4)], tmp_path)
-    first = store.claim_batch(run_id="run", learner_id="L1", n_groups=2, max_lag=1)
-    other = store.claim_batch(run_id="run", learner_id="L2", n_groups=2, max_lag=1)
+    first = store.claims.claim(run_id="run", learner_id="L1", n_groups=2, max_lag=1)
+    other = store.claims.claim(run_id="run", learner_id="L2", n_groups=2, max_lag=1)
     assert set(first.group_ids).isdisjoint(other.group_ids)
-    again = store.claim_batch(run_id="run", learner_id="L1", n_groups=2, max_lag=1)
+    again = store.claims.claim(run_id="run", learner_id="L1", n_groups=2, max_lag=1)
     assert set(again.group_ids) == set(first.group_ids)
 
 
 def test_expired_lease_can_be_taken_by_another_learner(store, tmp_path):
     _write(store, [make_group("g0")], tmp_path)
-    store.claim_batch(run_id="run", learner_id="L1", n_groups=1, max_lag=1, lease_s=-1)
-    taken = store.claim_batch(run_id="run", learner_id="L2", n_groups=1, max_lag=1)
+    store.claims.claim(run_id="run", learner_id="L1", n_groups=1, max_lag=1, lease_s=-1)
+    taken = store.claims.claim(run_id="run", learner_id="L2", n_groups=1, max_lag=1)
     assert taken is not None and taken.group_ids == ("g0",)
 
 
@@ -144,7 +146,7 @@ def test_concurrent_learners_never_share_a_group(store_url, store, tmp_path):
         ids: list[str] = []
         # a new learner_id per claim: a learner re-claiming under its own id re-takes its claim
         while (
-            b := own.claim_batch(
+            b := own.claims.claim(
                 run_id="run", learner_id=f"{name}-{len(ids)}", n_groups=2, max_lag=5
             )
         ) is not None:
@@ -165,11 +167,11 @@ def test_concurrent_learners_never_share_a_group(store_url, store, tmp_path):
 
 def test_sft_episodes_filters_by_reward(store, tmp_path):
     _write(store, [make_group(f"g{i}", n_invalid=1) for i in range(3)], tmp_path)
-    eps = store.sft_episodes(run_id="run", min_reward=1.0)
+    eps = store.claims.sft_episodes(run_id="run", min_reward=1.0)
     assert len(eps) == 3 * 2  # odd sample indexes have reward 1; index 0 is invalid
     assert all(e.reward >= 1.0 and e.valid for e in eps)
     assert all(isinstance(e.token_ids_T, np.ndarray) for e in eps)
-    assert len(store.sft_episodes(run_id=None, min_reward=0.0, limit=4)) == 4
+    assert len(store.claims.sft_episodes(run_id=None, min_reward=0.0, limit=4)) == 4
 
 
 def test_tasks_upsert_replaces(store):
@@ -188,10 +190,10 @@ def test_migrate_applies_a_registered_migration(store, monkeypatch):
     monkeypatch.setitem(migrations.MIGRATIONS, new, add_note)
     stale = Store(store.url)
     with pytest.raises(SchemaVersionError, match="store migrate"):
-        stale.latest_policy("run")
+        stale.policy_versions.latest("run")
     assert stale.migrate() == [new]
     assert stale.schema_version() == new
-    assert stale.latest_policy("run").version == 0
+    assert stale.policy_versions.latest("run").version == 0
     stale.close()
 
 

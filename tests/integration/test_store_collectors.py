@@ -41,44 +41,45 @@ def _group(lease: SlotLease, *, tag: str = ""):
 
 
 def _claim(store, cid, **kw):
-    return store.claim_slot(run_id="run", collector_id=cid, tasks=TASKS, ttl_s=60, **kw)
+    return store.slots.claim_one(run_id="run", collector_id=cid, tasks=TASKS, ttl_s=60, **kw)
 
 
 def test_collector_ids_are_unique_and_registered(store):
-    ids = [store.register_collector(run_id="run", host="same-host") for _ in range(20)]
+    ids = [store.slots.register(run_id="run", host="same-host") for _ in range(20)]
     assert len(set(ids)) == 20
-    rows = store.collectors("run")
+    rows = store.slots.collectors("run")
     assert [r.collector_id for r in rows] == ids
     assert all(r.host == "same-host" and r.stopped_at is None for r in rows)
-    assert store.heartbeat_collector(ids[0])
-    store.stop_collector(ids[0])
-    assert not store.heartbeat_collector(ids[0])
-    assert store.collector_liveness(ttl_s=60) == {i: i != ids[0] for i in ids}
+    assert store.slots.heartbeat(ids[0])
+    store.slots.stop(ids[0])
+    assert not store.slots.heartbeat(ids[0])
+    assert store.slots.liveness(ttl_s=60) == {i: i != ids[0] for i in ids}
 
 
 def test_slots_go_round_robin_in_rank_order_across_collectors(store):
-    a = store.register_collector(run_id="run", host="a")
-    b = store.register_collector(run_id="run", host="b")
+    a = store.slots.register(run_id="run", host="a")
+    b = store.slots.register(run_id="run", host="b")
     leases = [_claim(store, cid) for cid in (a, b) * 3]
     want = [f"run/{t}/{seq}" for seq in (0, 1) for t, _ in ORDER]
     assert [x.group_id for x in leases] == want
     assert all(x.lease == 1 for x in leases)
-    assert store.slot_counts("run") == {"free": 0, "leased": 6, "done": 0}
+    assert store.slots.counts("run") == {"free": 0, "leased": 6, "done": 0}
 
 
 def test_released_and_dead_collectors_slots_are_reissued_first(store):
-    a = store.register_collector(run_id="run", host="a")
-    b = store.register_collector(run_id="run", host="b")
+    a = store.slots.register(run_id="run", host="a")
+    b = store.slots.register(run_id="run", host="b")
     first = [_claim(store, a) for _ in range(3)]
-    assert store.release_slot(first[1])
+    assert store.slots.release(first[1])
     again = _claim(store, b)
     assert again.group_id == first[1].group_id and again.lease == 2
-    assert not store.release_slot(first[1])  # re-issued: the old lease cannot free it
+    assert not store.slots.release(first[1])  # re-issued: the old lease cannot free it
     # a's heartbeat lapses (b's is renewed): a's two remaining slots go to b
     time.sleep(1.2)
-    assert store.heartbeat_collector(b)
+    assert store.slots.heartbeat(b)
     reissued = [
-        store.claim_slot(run_id="run", collector_id=b, tasks=TASKS, ttl_s=1.0) for _ in range(2)
+        store.slots.claim_one(run_id="run", collector_id=b, tasks=TASKS, ttl_s=1.0)
+        for _ in range(2)
     ]
     assert {x.group_id for x in reissued} == {first[0].group_id, first[2].group_id}
     # a's late groups are refused; b's are stored, each exactly once
@@ -86,12 +87,12 @@ def test_released_and_dead_collectors_slots_are_reissued_first(store):
     assert late.outcomes == {first[0].group_id: WriteOutcome.SUPERSEDED}
     fresh = store.write_groups_report([_group(x) for x in [again, *reissued]])
     assert fresh.n_stored == 3
-    counts = store.slot_counts("run")
+    counts = store.slots.counts("run")
     assert counts["leased"] == 0 and counts["done"] == 3  # (free: rounds added ahead)
 
 
 def test_duplicate_group_id_is_a_loud_error_and_a_resend_is_not(store):
-    a = store.register_collector(run_id="run", host="a")
+    a = store.slots.register(run_id="run", host="a")
     lease = _claim(store, a)
     group = _group(lease)
     assert store.write_groups([group]) == 1
@@ -106,17 +107,17 @@ def test_duplicate_group_id_is_a_loud_error_and_a_resend_is_not(store):
 
 
 def test_stopping_frees_leases_and_a_late_group_of_a_free_slot_is_still_stored(store):
-    a = store.register_collector(run_id="run", host="a")
+    a = store.slots.register(run_id="run", host="a")
     lease = _claim(store, a)
-    assert store.stop_collector(a) == 1
+    assert store.slots.stop(a) == 1
     # nobody took the slot yet: the last holder's group (e.g. replayed from its spool) fills it
     assert store.write_groups([_group(lease)]) == 1
-    assert store.slot_counts("run")["done"] == 1
+    assert store.slots.counts("run")["done"] == 1
     # a claim that a stop left running (the collector stopped while the store was slow)
     # leases nothing: its slots would stay leased, by nobody, until the heartbeat TTL
     with pytest.raises(StoreError, match="is stopped"):
         _claim(store, a)
-    assert store.slot_counts("run")["leased"] == 0
+    assert store.slots.counts("run")["leased"] == 0
 
 
 def test_concurrent_claims_never_share_a_slot(store_url, store):  # noqa: F811
@@ -124,7 +125,7 @@ def test_concurrent_claims_never_share_a_slot(store_url, store):  # noqa: F811
 
     def collector(i: int) -> None:
         own = Store(store_url, lock_timeout_s=30)
-        cid = own.register_collector(run_id="run", host=f"h{i}")
+        cid = own.slots.register(run_id="run", host=f"h{i}")
         got[i] = [_claim(own, cid).group_id for _ in range(15)]
         own.close()
 
@@ -191,8 +192,8 @@ def test_a_version_1_store_migrates(store):
         conn.execute(sa.text("UPDATE schema_meta SET value = '1' WHERE key = 'schema_version'"))
     stale = Store(store.url)
     assert stale.migrate() == list(range(2, migrations.latest_version() + 1))
-    cid = stale.register_collector(run_id="run")
-    lease = stale.claim_slot(run_id="run", collector_id=cid, tasks=TASKS[:1], ttl_s=60)
+    cid = stale.slots.register(run_id="run")
+    lease = stale.slots.claim_one(run_id="run", collector_id=cid, tasks=TASKS[:1], ttl_s=60)
     assert lease.group_id == "run/t0/2"
     assert stale.write_groups([_group(lease)]) == 1
     assert stale.store_id()
@@ -200,15 +201,15 @@ def test_a_version_1_store_migrates(store):
 
 
 def test_a_version_4_store_gains_the_collectors_policy_version(store):
-    cid = store.register_collector(run_id="run", host="a")
+    cid = store.slots.register(run_id="run", host="a")
     with store.backend.write() as conn:
         conn.execute(sa.text("ALTER TABLE collectors DROP COLUMN policy_version"))
         conn.execute(sa.text("UPDATE schema_meta SET value = '4' WHERE key = 'schema_version'"))
     stale = Store(store.url)
     assert stale.migrate() == list(range(5, migrations.latest_version() + 1))
-    assert [r.policy_version for r in stale.collectors("run")] == [None]
-    assert stale.heartbeat_collector(cid, policy_version=2)
-    assert stale.collector_policy_versions(run_id="run", within_s=60) == {2}
+    assert [r.policy_version for r in stale.slots.collectors("run")] == [None]
+    assert stale.slots.heartbeat(cid, policy_version=2)
+    assert stale.slots.referenced_versions(run_id="run", within_s=60) == {2}
     stale.close()
 
 
@@ -246,24 +247,24 @@ def test_text_with_copy_escapes_and_nan_round_trips(store):
 
 
 def test_heartbeats_announce_the_policy_version_that_retention_keeps(store):
-    a = store.register_collector(run_id="run", host="a")
-    b = store.register_collector(run_id="run", host="b")
-    c = store.register_collector(run_id="run", host="c")
-    other_run = store.register_collector(run_id="other", host="d")
-    assert store.collector_policy_versions(run_id="run", within_s=60) == set()  # none announced
-    assert store.heartbeat_collector(a, policy_version=3)
-    assert store.heartbeat_collector(b, policy_version=5)
-    assert store.heartbeat_collector(c, policy_version=4)
-    assert store.heartbeat_collector(other_run, policy_version=9)
-    assert store.heartbeat_collector(a)  # a plain heartbeat keeps the announced version
-    store.stop_collector(c)
-    assert [r.policy_version for r in store.collectors("run")] == [3, 5, 4]
-    assert store.collector_policy_versions(run_id="run", within_s=60) == {3, 5}
+    a = store.slots.register(run_id="run", host="a")
+    b = store.slots.register(run_id="run", host="b")
+    c = store.slots.register(run_id="run", host="c")
+    other_run = store.slots.register(run_id="other", host="d")
+    assert store.slots.referenced_versions(run_id="run", within_s=60) == set()  # none announced
+    assert store.slots.heartbeat(a, policy_version=3)
+    assert store.slots.heartbeat(b, policy_version=5)
+    assert store.slots.heartbeat(c, policy_version=4)
+    assert store.slots.heartbeat(other_run, policy_version=9)
+    assert store.slots.heartbeat(a)  # a plain heartbeat keeps the announced version
+    store.slots.stop(c)
+    assert [r.policy_version for r in store.slots.collectors("run")] == [3, 5, 4]
+    assert store.slots.referenced_versions(run_id="run", within_s=60) == {3, 5}
     with store.transaction() as conn:  # b fell silent 2 minutes ago (store clock)
         conn.execute(
             sa.text("UPDATE collectors SET heartbeat_at = heartbeat_at - INTERVAL '2 minutes' "
                     "WHERE collector_id = :b"),
             {"b": b},
         )  # fmt: skip
-    assert store.collector_policy_versions(run_id="run", within_s=60) == {3}
-    assert store.collector_policy_versions(run_id="run", within_s=600) == {3, 5}
+    assert store.slots.referenced_versions(run_id="run", within_s=60) == {3}
+    assert store.slots.referenced_versions(run_id="run", within_s=600) == {3, 5}

@@ -130,10 +130,10 @@ def test_every_byte_round_trips_through_tasks_runs_policies_and_metrics(store):
                           instruction=value, reference={value: [value, math.nan]},
                           data_uri=value, split=Split.TRAIN)  # fmt: skip
         store.upsert_tasks([task])
-        store.register_policy(PolicyRecord(run_id=run_id, version=0, checkpoint_uri=value,
+        store.policy_versions.register(PolicyRecord(run_id=run_id, version=0, checkpoint_uri=value,
                                            parent_version=None, learner_step=None,
                                            created_at=utcnow()))  # fmt: skip
-        store.register_policy(
+        store.policy_versions.register(
             PolicyRecord(run_id=run_id, version=1, checkpoint_uri=value, parent_version=0,
                          learner_step=1, created_at=utcnow()),
             metrics={value: value, "loss": math.inf},

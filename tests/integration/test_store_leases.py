@@ -39,51 +39,55 @@ def _fence(lease) -> Fence:
 
 
 def test_second_learner_waits_then_takes_over_with_a_new_term(store, tmp_path):
-    a = store.acquire_lease(run_id="run", learner_id="A", lease_s=0.5)
+    a = store.leases.acquire(run_id="run", learner_id="A", lease_s=0.5)
     assert a.held and a.term == 1
-    b = store.acquire_lease(run_id="run", learner_id="B", lease_s=0.5)
+    b = store.leases.acquire(run_id="run", learner_id="B", lease_s=0.5)
     assert not b.held and b.learner_id == "A" and b.term == 1
-    assert store.acquire_lease(run_id="run", learner_id="A", lease_s=0.5).term == 1  # renewal
+    assert store.leases.acquire(run_id="run", learner_id="A", lease_s=0.5).term == 1  # renewal
     fa = _fence(a)
-    store.register_policy(PolicyRecord("run", 0, "ckpt/0", None, None), fence=fa)
+    store.policy_versions.register(PolicyRecord("run", 0, "ckpt/0", None, None), fence=fa)
     _write(store, [make_group(f"g{i}") for i in range(3)], tmp_path)
-    claim = store.claim_batch(run_id="run", learner_id="A", n_groups=2, max_lag=5, fence=fa)
+    claim = store.claims.claim(run_id="run", learner_id="A", n_groups=2, max_lag=5, fence=fa)
     assert claim is not None
 
     time.sleep(0.7)  # A stops renewing: its lease lapses
-    b = store.acquire_lease(run_id="run", learner_id="B", lease_s=30)
+    b = store.leases.acquire(run_id="run", learner_id="B", lease_s=30)
     assert b.held and b.term == 2
     # A's claim went back to READY with the takeover; A's late writes are refused.
-    assert store.group_counts("run")[GroupStatus.READY] == 3
+    assert store.claims.group_counts("run")[GroupStatus.READY] == 3
     with pytest.raises(NotLeaderError, match="term 1 was superseded"):
-        store.register_policy(PolicyRecord("run", 1, "ckpt/1", 0, 0), claim_id=claim.claim_id,
+        store.policy_versions.register(PolicyRecord("run", 1, "ckpt/1", 0, 0), claim_id=claim.claim_id,
                               fence=fa)  # fmt: skip
     with pytest.raises(NotLeaderError):
-        store.claim_batch(run_id="run", learner_id="A", n_groups=1, max_lag=5, fence=fa)
+        store.claims.claim(run_id="run", learner_id="A", n_groups=1, max_lag=5, fence=fa)
     with pytest.raises(NotLeaderError):
-        store.renew_lease(fa, lease_s=30)
+        store.leases.renew(fa, lease_s=30)
     with pytest.raises(NotLeaderError):
-        store.release_claim(claim.claim_id, fence=fa)
-    assert store.latest_policy("run").version == 0
+        store.claims.release(claim.claim_id, fence=fa)
+    assert store.policy_versions.latest("run").version == 0
 
     fb = _fence(b)
-    mine = store.claim_batch(run_id="run", learner_id="B", n_groups=2, max_lag=5, fence=fb)
+    mine = store.claims.claim(run_id="run", learner_id="B", n_groups=2, max_lag=5, fence=fb)
     assert mine.group_ids == claim.group_ids  # the same oldest groups, re-claimed
-    store.register_policy(PolicyRecord("run", 1, "ckpt/1", 0, 1), claim_id=mine.claim_id, fence=fb)
-    assert store.group_counts("run")[GroupStatus.CONSUMED] == 2
-    store.release_lease(fb)  # a clean stop: the next learner need not wait
-    c = store.acquire_lease(run_id="run", learner_id="C", lease_s=30)
+    store.policy_versions.register(
+        PolicyRecord("run", 1, "ckpt/1", 0, 1), claim_id=mine.claim_id, fence=fb
+    )
+    assert store.claims.group_counts("run")[GroupStatus.CONSUMED] == 2
+    store.leases.release(fb)  # a clean stop: the next learner need not wait
+    c = store.leases.acquire(run_id="run", learner_id="C", lease_s=30)
     assert c.held and c.term == 3
 
 
 def test_registration_is_one_insert_that_fails_loudly(store):
-    store.register_policy(PolicyRecord("run", 0, "ckpt/0", None, None))
-    store.register_policy(PolicyRecord("run", 1, "ckpt/1", 0, 1))
+    store.policy_versions.register(PolicyRecord("run", 0, "ckpt/0", None, None))
+    store.policy_versions.register(PolicyRecord("run", 1, "ckpt/1", 0, 1))
     with pytest.raises(PolicyConflictError, match="latest registered version is 1"):
-        store.register_policy(PolicyRecord("run", 1, "ckpt/1b", 0, 1))  # a second learner's v1
+        store.policy_versions.register(
+            PolicyRecord("run", 1, "ckpt/1b", 0, 1)
+        )  # a second learner's v1
     with pytest.raises(PolicyConflictError, match="latest registered version is 1"):
-        store.register_policy(PolicyRecord("run", 3, "ckpt/3", 2, 3))  # a gap
-    assert [p.checkpoint_uri for p in store.policies("run")] == ["ckpt/0", "ckpt/1"]
+        store.policy_versions.register(PolicyRecord("run", 3, "ckpt/3", 2, 3))  # a gap
+    assert [p.checkpoint_uri for p in store.policy_versions.all("run")] == ["ckpt/0", "ckpt/1"]
 
 
 def test_concurrent_first_learners_get_exactly_one_leader(store):
@@ -91,7 +95,7 @@ def test_concurrent_first_learners_get_exactly_one_leader(store):
 
     def take(name: str) -> None:
         barrier.wait()
-        results.append(store.acquire_lease(run_id="run", learner_id=name, lease_s=30))
+        results.append(store.leases.acquire(run_id="run", learner_id=name, lease_s=30))
 
     threads = [threading.Thread(target=take, args=(f"L{i}",)) for i in range(4)]
     for t in threads:
@@ -114,5 +118,5 @@ def test_migration_3_upgrades_a_store_written_before_leases(store):
         conn.execute(sa.text("UPDATE schema_meta SET value = '1' WHERE key = 'schema_version'"))
     old = Store(store.url)
     assert old.migrate() == list(range(2, migrations.latest_version() + 1))
-    assert old.acquire_lease(run_id="run", learner_id="A", lease_s=5).held
+    assert old.leases.acquire(run_id="run", learner_id="A", lease_s=5).held
     old.close()

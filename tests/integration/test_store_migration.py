@@ -131,7 +131,7 @@ def test_migration_4_converts_an_old_store_and_reads_back_identically(store_url,
     _write_old_store(store_url, groups)
     store = Store(store_url, lock_timeout_s=10)
     with pytest.raises(SchemaVersionError, match="store migrate"):
-        store.group_counts("run")
+        store.claims.group_counts("run")
     assert store.migrate() == list(range(2, migrations.latest_version() + 1))
     assert store.schema_version() == migrations.latest_version()
 
@@ -160,8 +160,8 @@ def _claim_like_a_fresh_store(store: Store, groups, tmp_path):
     fresh.init()
     fresh.write_groups(groups)
     n = len(groups) - 1  # the invalid group is not claimable
-    got = store.claim_batch(run_id="run", learner_id="L", n_groups=n, max_lag=10)
-    ref = fresh.claim_batch(run_id="run", learner_id="L", n_groups=n, max_lag=10)
+    got = store.claims.claim(run_id="run", learner_id="L", n_groups=n, max_lag=10)
+    ref = fresh.claims.claim(run_id="run", learner_id="L", n_groups=n, max_lag=10)
     fresh.close()
     assert got is not None and ref is not None and got.group_ids == ref.group_ids
     for g_got, g_ref in zip(got.groups, ref.groups, strict=True):
@@ -218,7 +218,7 @@ def test_migration_6_drops_the_duckdb_turn_keys_and_keeps_every_row(store_url, t
 
     store = Store(store_url, lock_timeout_s=10)
     with pytest.raises(SchemaVersionError, match="store migrate"):
-        store.group_counts("run")
+        store.claims.group_counts("run")
     assert store.migrate() == [6, 7]
     assert (_rows(store, turns_sql), _rows(store, calls_sql)) == before
     with store.connect_readonly() as conn:

@@ -56,7 +56,7 @@ def _unsquat(store: Store, episode_id: str) -> None:
 
 
 def _stored(store: Store) -> set[str]:
-    return set(store.group_ids("run"))
+    return set(store.claims.group_ids("run"))
 
 
 def test_a_group_that_fails_on_commit_is_set_aside_and_the_others_are_stored(store, tmp_path):
@@ -80,7 +80,7 @@ def test_a_group_that_fails_on_commit_is_set_aside_and_the_others_are_stored(sto
         w.put(make_group("after"))
         w.flush(timeout_s=30)
     assert _stored(store) == want | {"after"}
-    (dead,) = store.dead_groups()
+    (dead,) = store.dead_letters.all()
     assert dead.group_id == "poison" and dead.source == "writer" and dead.attempts == 1
     assert "duplicate" in dead.error.lower()  # the database's own error, not a follow-up
     assert not list((spool / "dead").glob("*"))  # listed in the store, so no local copy left
@@ -90,11 +90,11 @@ def test_a_group_that_fails_on_commit_is_set_aside_and_the_others_are_stored(sto
     store.ensure_run(RunRecord("run", "{}", "test"))
     assert ("DEAD groups (set aside)", "1") in _cards(load_frames(store, "run"))
 
-    assert store.retry_dead()["poison"].startswith("failed")  # not fixed yet: stays listed
-    assert store.dead_groups()[0].attempts == 2
+    assert store.dead_letters.retry()["poison"].startswith("failed")  # not fixed yet: stays listed
+    assert store.dead_letters.all()[0].attempts == 2
     _unsquat(store, "poison#0")
-    assert store.retry_dead() == {"poison": "stored"}
-    assert store.dead_groups() == [] and "poison" in _stored(store)
+    assert store.dead_letters.retry() == {"poison": "stored"}
+    assert store.dead_letters.all() == [] and "poison" in _stored(store)
 
 
 def test_an_outage_sets_nothing_aside(store, tmp_path, monkeypatch):
@@ -117,7 +117,7 @@ def test_an_outage_sets_nothing_aside(store, tmp_path, monkeypatch):
         monkeypatch.setattr(store, "write_groups_report", real_write)
         monkeypatch.setattr(store, "ping", real_ping)
         w.flush(timeout_s=60)
-    assert _stored(store) == {"g0", "g1", "g2"} and store.dead_groups() == []
+    assert _stored(store) == {"g0", "g1", "g2"} and store.dead_letters.all() == []
 
 
 def test_a_failed_transaction_leaves_every_write_path_usable(store, tmp_path):
@@ -127,12 +127,12 @@ def test_a_failed_transaction_leaves_every_write_path_usable(store, tmp_path):
     assert store.write_groups([make_group("clean")]) == 1  # the bulk path after a failure
     store.ensure_run(RunRecord("run", "{}", "test"))
     with pytest.raises(PolicyConflictError):
-        store.register_policy(PolicyRecord("run", 5, "ckpt/5", 4, 4))
-    store.register_policy(PolicyRecord("run", 0, "ckpt/0", None, None))
+        store.policy_versions.register(PolicyRecord("run", 5, "ckpt/5", 4, 4))
+    store.policy_versions.register(PolicyRecord("run", 0, "ckpt/0", None, None))
     with pytest.raises(PolicyConflictError):  # a unique violation inside the transaction
-        store.register_policy(PolicyRecord("run", 0, "ckpt/0", None, None))
+        store.policy_versions.register(PolicyRecord("run", 0, "ckpt/0", None, None))
     assert store.write_groups([make_group("clean2")]) == 1
-    batch = store.claim_batch(run_id="run", learner_id="L", n_groups=2, max_lag=1)
+    batch = store.claims.claim(run_id="run", learner_id="L", n_groups=2, max_lag=1)
     assert batch is not None and set(batch.group_ids) == {"clean", "clean2"}
 
 
@@ -145,10 +145,12 @@ def test_the_learner_sets_aside_a_group_it_cannot_read(store, tmp_path):
             sa.update(schema.turns).where(schema.turns.c.group_id == "g0")
             .values(token_ids=b"\x01\x02\x03")
         )  # fmt: skip
-    batch = store.claim_batch(run_id="run", learner_id="L", n_groups=2, max_lag=1)
+    batch = store.claims.claim(run_id="run", learner_id="L", n_groups=2, max_lag=1)
     assert batch is not None and set(batch.group_ids) == {"g1", "g2"}
-    assert store.group_counts("run")[GroupStatus.DEAD] == 1
-    (dead,) = store.dead_groups()
+    assert store.claims.group_counts("run")[GroupStatus.DEAD] == 1
+    (dead,) = store.dead_letters.all()
     assert dead.group_id == "g0" and dead.source == "learner" and "ValueError" in dead.error
-    assert store.retry_dead() == {"g0": "ready"}
-    assert store.group_counts("run")[GroupStatus.READY] == 1 and store.dead_groups() == []
+    assert store.dead_letters.retry() == {"g0": "ready"}
+    assert (
+        store.claims.group_counts("run")[GroupStatus.READY] == 1 and store.dead_letters.all() == []
+    )

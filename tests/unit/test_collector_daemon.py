@@ -86,13 +86,15 @@ def test_groups_have_deterministic_ids_and_balanced_tasks(tiny_tokenizer, tmp_pa
         assert all(e.valid and e.reward == 1.0 for e in group.episodes)
         assert group.run_id == "run" and group.sampling_params.temperature == 1.0
     assert metrics.episodes_total == 12 and metrics.groups_total == 6
-    assert {s["status"] for s in collector.store.slots.values()} == {"done"}
+    assert {s["status"] for s in collector.store.slots.table.values()} == {"done"}
     assert collector.store.stopped == ["c1"]
 
 
 def _leased_then_freed(store) -> list[str]:
     return sorted(
-        f"run/{t}/{q}" for (t, q), s in store.slots.items() if s["status"] == "free" and s["lease"]
+        f"run/{t}/{q}"
+        for (t, q), s in store.slots.table.items()
+        if s["status"] == "free" and s["lease"]
     )
 
 
@@ -137,9 +139,9 @@ def test_a_group_the_store_cannot_take_is_logged_and_counted_not_a_crash(
 def test_slots_freed_by_a_dead_collector_are_collected_first(tiny_tokenizer, tmp_path):
     store = FakeStore()
     ranked = [(t.task_id, task_rank(t.task_id, 0)) for t in TASKS]
-    dead = store.claim_slots(run_id="run", collector_id="dead", tasks=ranked, ttl_s=60, n=4,
+    dead = store.slots.claim(run_id="run", collector_id="dead", tasks=ranked, ttl_s=60, n=4,
                              split=Split.TRAIN)  # fmt: skip
-    store.stop_collector("dead")  # what reaping does once its heartbeat lapses
+    store.slots.stop("dead")  # what reaping does once its heartbeat lapses
     collector, _, writer, _ = _collector(
         tiny_tokenizer, tmp_path, _config(max_groups=4), store=store
     )
@@ -217,7 +219,7 @@ def test_drain_cancels_slow_groups_and_restart_reruns_their_slots(tiny_tokenizer
         stop = asyncio.Event()
         run = asyncio.create_task(collector.run(stop))
         # stop once groups run (their first turn takes 0.3 s; the drain waits 0.05 s)
-        await _until(lambda: any(s["status"] == "leased" for s in store.slots.values()),
+        await _until(lambda: any(s["status"] == "leased" for s in store.slots.table.values()),
                      "a leased slot")  # fmt: skip
         stop.set()
         await run

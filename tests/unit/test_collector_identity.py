@@ -42,14 +42,14 @@ def store(tmp_path):
 
 def test_slots_follow_least_sampled_then_rank_order(store) -> None:
     tasks = [(f"t{i}", task_rank(f"t{i}", seed=7)) for i in range(4)]
-    cid = store.register_collector(run_id="run", host="h")
-    got = [x.group_id for x in store.claim_slots(run_id="run", collector_id=cid, tasks=tasks,
+    cid = store.slots.register(run_id="run", host="h")
+    got = [x.group_id for x in store.slots.claim(run_id="run", collector_id=cid, tasks=tasks,
                                                   ttl_s=60, n=10)]  # fmt: skip
     by_rank = [t for t, _ in sorted(tasks, key=lambda t: t[1])]
     want = [f"run/{t}/{seq}" for seq in range(3) for t in by_rank][:10]
     assert got == want
     # a validation claim only takes the named task, in its own split
-    val = store.claim_slots(run_id="run", collector_id=cid, tasks=[("v", "r")], ttl_s=60,
+    val = store.slots.claim(run_id="run", collector_id=cid, tasks=[("v", "r")], ttl_s=60,
                             split=Split.VALIDATION, only=["v"])  # fmt: skip
     assert [x.group_id for x in val] == ["run/v/0"]
 
@@ -66,10 +66,10 @@ def test_orphan_spools_are_committed_and_live_ones_left_alone(store, tmp_path) -
     own = store.writer(spool_dir=str(mine))
     assert adopt_orphan_spools(store, own.spool) == 1
     own.close()
-    assert store.group_ids("run") == ["g-dead"]
+    assert store.claims.group_ids("run") == ["g-dead"]
     assert not list(dead.glob("*.group"))
     holder.close()  # its own writer commits its group on close
-    assert store.group_ids("run") == ["g-dead", "g-live"]
+    assert store.claims.group_ids("run") == ["g-dead", "g-live"]
 
 
 def _box(collector: str, *, store: str | None = "S", age_s: float = 10.0) -> ContainerInfo:
@@ -111,7 +111,7 @@ def test_a_group_spooled_by_the_previous_release_commits_after_the_upgrade(store
     writer = store.writer(spool_dir=str(spool))
     writer.flush(timeout_s=20)
     writer.close()
-    assert store.group_ids("run") == ["g-old"]
+    assert store.claims.group_ids("run") == ["g-old"]
     with store.connect_readonly() as conn:
         import sqlalchemy as sa
 

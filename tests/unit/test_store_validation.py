@@ -98,8 +98,8 @@ def test_store_counts_them_invalid_and_the_learner_never_sees_them(tmp_path) -> 
     assert sorted(r.group_id for r in rows) == ["kept", "lost", "lost"]
     assert all(r.stop_reason == "bad_sampler_output" and "bad sampler output" in r.error
                for r in rows)  # fmt: skip
-    assert store.group_ids("r", GroupStatus.INVALID) == ["lost"]
-    batch = store.claim_batch(run_id="r", learner_id="l", n_groups=1, max_lag=10)
+    assert store.claims.group_ids("r", GroupStatus.INVALID) == ["lost"]
+    batch = store.claims.claim(run_id="r", learner_id="l", n_groups=1, max_lag=10)
     assert batch is not None and batch.group_ids == ("kept",)
     spoiled = batch.groups[0].episodes[0]
     assert not spoiled.valid and np.isnan(spoiled.behaviour_logprobs_T).any()

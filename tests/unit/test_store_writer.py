@@ -66,7 +66,7 @@ def test_abandon_leaves_the_groups_spooled_and_releases_the_spool(store, tmp_pat
                      spool_dir=spool_dir) as again:  # fmt: skip
         again.flush(timeout_s=30)
         assert again.committed_groups == 1
-    assert store.group_ids("run") == ["g0"] and down.batches
+    assert store.claims.group_ids("run") == ["g0"] and down.batches
 
 
 def test_an_idle_writer_sleeps_and_a_new_group_waits_for_its_batch(store, tmp_path):

@@ -276,8 +276,8 @@ def _stored(store: Store, sql: str):
 def test_put_spools_arrow_and_a_new_writer_commits_it(store, tmp_path) -> None:
     spool_dir = tmp_path / "spool"
     tasks = [("task", task_rank("task", seed=1))]
-    cid = store.register_collector(run_id="run", host="h")
-    (slot,) = store.claim_slots(run_id="run", collector_id=cid, tasks=tasks, ttl_s=600)
+    cid = store.slots.register(run_id="run", host="h")
+    (slot,) = store.slots.claim(run_id="run", collector_id=cid, tasks=tasks, ttl_s=600)
     group = dataclasses.replace(rich_group(slot.group_id, slot_lease=slot.lease), collector_id=cid)
     w = store.writer(spool_dir=str(spool_dir), flush_interval_s=3600)
     w.put(group)
@@ -301,7 +301,7 @@ def test_put_spools_arrow_and_a_new_writer_commits_it(store, tmp_path) -> None:
     assert seen == [(group.group_id, WriteOutcome.STORED)]
     assert again.committed_groups == 1 and again.rejected_groups == 0
     assert not path.exists()
-    assert store.group_ids("run") == [group.group_id]
+    assert store.claims.group_ids("run") == [group.group_id]
     ((lease, status),) = _stored(
         store, f"SELECT lease, status FROM task_slots WHERE seq = {slot.seq}"
     )
@@ -362,7 +362,7 @@ def test_a_spool_of_the_previous_release_commits_after_the_upgrade(store, tmp_pa
         w.flush(timeout_s=30)
     assert w.committed_groups == 5 and w.rejected_groups == 0
     assert not list(spool_dir.glob("*.group"))
-    assert sorted(store.group_ids("run")) == sorted(
+    assert sorted(store.claims.group_ids("run")) == sorted(
         ["run/task/0", "g-prev", "g-dict", "g-store-records", "g-new"]
     )
     (params,) = _stored(store, "SELECT sampling_params FROM groups WHERE group_id = 'g-dict'")[0]
@@ -407,7 +407,7 @@ def test_unreadable_spool_files_are_quarantined_not_fatal(store, tmp_path, caplo
     assert not (tmp_path / "pwned").exists()
     assert w.committed_groups == 1
     assert w.unreadable_files == 8 and w.rejected_groups == 8
-    assert store.group_ids("run") == ["g-ok"]
+    assert store.claims.group_ids("run") == ["g-ok"]
     assert not list(spool_dir.glob("*.group"))
     assert sorted(p.name for p in (spool_dir / "rejected").iterdir()) == [
         "a-truncated.group",
@@ -438,7 +438,7 @@ def test_a_leftover_temp_file_is_ignored_and_removed(store, tmp_path) -> None:
     assert w.rejected_groups == 0 and w.committed_groups == 0
     assert not list(spool_dir.glob("*.tmp"))
     assert not (spool_dir / "rejected").exists()
-    assert store.group_ids("run") == []
+    assert store.claims.group_ids("run") == []
 
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "spool"
@@ -461,7 +461,7 @@ def test_spool_files_of_earlier_releases_commit(store, tmp_path, release) -> Non
         w.flush(timeout_s=30)
     assert (w.committed_groups, w.rejected_groups) == (2, 0)
     assert not list(spool_dir.glob("*.group"))
-    assert store.group_ids(run) == [f"{run}/task/0", f"{run}/task/1"]
+    assert store.claims.group_ids(run) == [f"{run}/task/0", f"{run}/task/1"]
     rows = _stored(
         store,
         "SELECT e.group_id, e.sample_index, t.turn_index, t.token_ids, t.logprobs, t.trainable, "

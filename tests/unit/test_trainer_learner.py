@@ -38,7 +38,7 @@ def test_step_registers_next_version_with_its_groups(tmp_path, learner_tiny_mode
     assert [p.version for p in store.registered] == [0]
     assert store.registered[0].checkpoint_uri.endswith("v000000-t0001")
     store.write_groups(_groups(learner.engine.module, 2))
-    batch = store.claim_batch(run_id="lt", learner_id="x", n_groups=2, max_lag=2)
+    batch = store.claims.claim(run_id="lt", learner_id="x", n_groups=2, max_lag=2)
     metrics = learner.train_step(batch)
     assert learner.version == 1 and store.registered[-1].parent_version == 0
     assert set(store.consumed) == set(batch.group_ids)
@@ -71,7 +71,7 @@ def test_zero_variance_groups_are_counted_and_still_consumed(tmp_path, learner_t
     ]
     store.write_groups(flat)
     before = {k: v.clone() for k, v in learner.engine.module.state_dict().items()}
-    metrics = learner.train_step(store.claim_batch(run_id="lt", learner_id="x", n_groups=2,
+    metrics = learner.train_step(store.claims.claim(run_id="lt", learner_id="x", n_groups=2,
                                                    max_lag=2))  # fmt: skip
     assert metrics["batch/groups_zero_variance"] == 2 and metrics["batch/sequences"] == 0
     assert len(store.consumed) == 2 and learner.version == 1
@@ -86,9 +86,9 @@ def test_stale_samples_get_importance_weights(tmp_path, learner_tiny_model, worl
     store = MemoryStore()
     learner = Learner(cfg.for_learner(), store, world)
     store.write_groups(_groups(learner.engine.module, 4))  # all sampled by version 0
-    learner.train_step(store.claim_batch(run_id="lt", learner_id="x", n_groups=2, max_lag=2))
+    learner.train_step(store.claims.claim(run_id="lt", learner_id="x", n_groups=2, max_lag=2))
     metrics = learner.train_step(
-        store.claim_batch(run_id="lt", learner_id="x", n_groups=2, max_lag=2)
+        store.claims.claim(run_id="lt", learner_id="x", n_groups=2, max_lag=2)
     )
     assert metrics["staleness/lag_1"] == 2
     assert metrics["is/w_max"] > 1.0 > metrics["is/w_min"] and metrics["is/ess"] < 1.0
@@ -104,7 +104,7 @@ def test_sft_registers_a_version_that_lowers_the_nll(tmp_path, learner_tiny_mode
     store = MemoryStore()
     learner = Learner(cfg.for_learner(), store, world)
     store.write_groups(_groups(learner.engine.module, 2))
-    chosen = store.sft_episodes(run_id="lt", min_reward=0.5)
+    chosen = store.claims.sft_episodes(run_id="lt", min_reward=0.5)
     first = run_sft(learner)
     assert first["sft/episodes"] == len(chosen) > 0
     assert learner.version == 1 and store.registered[-1].learner_step == 1
@@ -127,7 +127,7 @@ def test_training_state_every_k_versions_and_at_a_clean_stop(tmp_path, learner_t
     learner = Learner(cfg, store, world)
     store.write_groups(_groups(learner.engine.module, 6))
     for _ in range(3):
-        batch = store.claim_batch(run_id="lt", learner_id="x", n_groups=2, max_lag=5)
+        batch = store.claims.claim(run_id="lt", learner_id="x", n_groups=2, max_lag=5)
         metrics = learner.train_step(batch)
     folders = [Path(p.checkpoint_uri) for p in store.registered]
     assert [has_train_state(f) for f in folders] == [False, False, True, False]
@@ -176,7 +176,7 @@ def test_a_version_is_published_in_the_training_dtype(
     learner = Learner(cfg.for_learner(), store, world)
     store.write_groups(_groups(learner.engine.module, 2))
     metrics = learner.train_step(
-        store.claim_batch(run_id="lt", learner_id="x", n_groups=2, max_lag=2)
+        store.claims.claim(run_id="lt", learner_id="x", n_groups=2, max_lag=2)
     )
     assert learner.version == 1
     folder = Path(store.registered[-1].checkpoint_uri)

@@ -39,20 +39,24 @@ def test_grace_keeps_a_version_whose_successor_is_young():
 
 
 class _Store:
+    """What retention reads, by room: ``store.slots`` and ``store.policy_versions`` (both
+    this object)."""
+
     def __init__(self, policies, in_flight=None, collectors=()):
         self._policies, self._in_flight = policies, in_flight
         self.collectors = list(collectors)
         """(policy_version, heartbeat age in s, stopped) of the run's collectors."""
         self.asked_within_s: list[float] = []
+        self.slots = self.policy_versions = self
 
-    def collector_policy_versions(self, *, run_id, within_s):
+    def referenced_versions(self, *, run_id, within_s):
         self.asked_within_s.append(within_s)
         return {v for v, age, stopped in self.collectors if not stopped and age < within_s}
 
-    def policies(self, run_id):
+    def all(self, run_id):
         return self._policies
 
-    def oldest_version_in_flight(self, run_id):
+    def oldest_in_flight(self, run_id):
         return self._in_flight
 
 
