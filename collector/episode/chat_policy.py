@@ -20,6 +20,7 @@ from sandpiper.collector.episode.parsers import ParsedToolCall, parse_tool_calls
 from sandpiper.collector.episode.policy import Reply, Stopped, assistant_record, text_turn
 from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
 from sandpiper.config import SamplingLimits
+from sandpiper.config.sampling import NoRoom
 from sandpiper.errors import InferenceError, SandpiperError
 from sandpiper.store.records import Role, StopReason, ToolCallRecord, ToolErrorKind, TurnRecord
 
@@ -103,16 +104,20 @@ class ChatSession:
         return text_turn(0, Role.USER, text, at)
 
     async def reply(self) -> Reply | Stopped:
-        budget_left = self.limits.max_episode_tokens - self.completion_tokens
-        if budget_left <= 0:
-            return Stopped(StopReason.MAX_TOKENS)
+        # The endpoint renders the prompt, so its length is not known here (None: no
+        # context term); a prompt too long for the endpoint's context is its 400, below.
+        request = self.limits.reply_request(
+            prompt_tokens=None, sampled_tokens=self.completion_tokens
+        )
+        if isinstance(request, NoRoom):
+            return Stopped(StopReason(request.reason))
         try:
             choice = await self.endpoint.chat(
                 self.messages,
                 tools=self.tools,
-                max_tokens=min(self.limits.max_tokens_per_turn, budget_left),
-                temperature=self.limits.temperature,
-                top_p=self.limits.top_p,
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
             )
         except ContextLengthExceeded:
             return Stopped(StopReason.CONTEXT_EXCEEDED)

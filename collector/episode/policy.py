@@ -32,6 +32,7 @@ from sandpiper.collector.episode.render import ChatRenderer
 from sandpiper.collector.inference.base import PolicyClient, SamplingParams
 from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
 from sandpiper.config import SamplingLimits
+from sandpiper.config.sampling import NoRoom
 from sandpiper.errors import SandpiperError
 from sandpiper.store.records import Role, StopReason, ToolCallRecord, TurnRecord
 
@@ -140,16 +141,15 @@ class TokenSession:
 
     async def reply(self) -> Reply | Stopped:
         limits, renderer = self.limits, self.renderer
-        context_left = limits.context_limit - len(self.context_ids)
-        budget_left = limits.max_episode_tokens - self.completion_tokens
-        if context_left <= 0:
-            return Stopped(StopReason.CONTEXT_EXCEEDED)
-        if budget_left <= 0:
-            return Stopped(StopReason.MAX_TOKENS)
+        request = limits.reply_request(
+            prompt_tokens=len(self.context_ids), sampled_tokens=self.completion_tokens
+        )
+        if isinstance(request, NoRoom):
+            return Stopped(StopReason(request.reason))
         params = SamplingParams(
-            max_tokens=min(limits.max_tokens_per_turn, context_left, budget_left),
-            temperature=limits.temperature,
-            top_p=limits.top_p,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
             stop_token_ids=renderer.stop_token_ids,
         )
         try:

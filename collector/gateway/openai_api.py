@@ -213,11 +213,6 @@ def check_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return tools
 
 
-def max_tokens(body: Mapping[str, Any], run_cap: int) -> int:
-    asked = body.get("max_completion_tokens") or body.get("max_tokens")
-    return min(int(asked), run_cap) if asked else run_cap
-
-
 def chat_response(
     *,
     response_id: str,

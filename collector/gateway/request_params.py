@@ -13,10 +13,12 @@ OpenAI chat and completions bodies; another API builds it from its own names, pa
   makes every episode of a GRPO group sample the same tokens, so the group teaches nothing).
   Values equal to the run's are accepted. Under ``"client"`` (evaluation, serving) the
   request's ``temperature``, ``top_p`` and ``seed`` are honoured.
-- :meth:`RequestParams.sampling_params` builds the :class:`SamplingParams` sent to vLLM:
-  ``stop`` strings (vLLM stops on them; :func:`cut_at_stop` cuts a reply that ran past
-  one, e.g. from a client that ignores them), ``top_logprobs`` (vLLM returns the k most
-  likely tokens at each sampled position).
+- :meth:`RequestParams.sampling_params` builds the :class:`SamplingParams` sent to vLLM
+  from ``SamplingLimits.reply_request`` (the reply's cap, the same formula native episodes
+  use, and the temperature, top_p and seed the policy allows), with ``stop`` strings
+  (vLLM stops on them; :func:`cut_at_stop` cuts a reply that ran past one, e.g. from a
+  client that ignores them) and ``top_logprobs`` (vLLM returns the k most likely tokens at
+  each sampled position).
 - :func:`note_ignored` logs once per process each field that is accepted but changes
   nothing (``prompt_cache_key``, ``user``, ``metadata``, unknown ``extra_body`` keys such as
   ``top_k``), and :func:`log_request` logs every request at DEBUG with its episode.
@@ -37,6 +39,7 @@ from typing import Any
 from sandpiper.collector.gateway.openai_api import APIError
 from sandpiper.collector.inference.base import Generation, SamplingParams
 from sandpiper.config import SamplingLimits
+from sandpiper.config.sampling import ReplyRequest
 from sandpiper.config.sections import MAX_TEMPERATURE
 
 log = logging.getLogger(__name__)
@@ -62,7 +65,8 @@ class RequestParams:
     """The sampling fields of one request, in the gateway's terms (None: not sent)."""
 
     max_tokens: int | None = None
-    """The client's cap on the reply; it can only lower ``collector.max_tokens_per_turn``."""
+    """The client's cap on the reply; it can only lower the run's
+    (``SamplingLimits.reply_request``, the one per-turn formula)."""
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -105,25 +109,20 @@ class RequestParams:
             )
 
     def sampling_params(
-        self, run: SamplingLimits, *, max_tokens: int, stop_token_ids: Sequence[int]
+        self, reply: ReplyRequest, *, stop_token_ids: Sequence[int]
     ) -> SamplingParams:
-        """The vLLM request of this call (``max_tokens`` already capped by the budgets)."""
-        honour = run.gateway_sampling == "client"
-        temperature = self.temperature if honour and self.temperature is not None else None
-        top_p = self.top_p if honour and self.top_p is not None else None
+        """The vLLM request of this call: ``reply`` (``SamplingLimits.reply_request`` of this
+        request's ask: the reply's cap, and the temperature, top_p and seed the run's
+        sampling policy allows) with the stop ids and strings and ``top_logprobs``."""
         return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=run.temperature if temperature is None else temperature,
-            top_p=run.top_p if top_p is None else top_p,
-            seed=self.seed if honour else None,
+            max_tokens=reply.max_tokens,
+            temperature=reply.temperature,
+            top_p=reply.top_p,
+            seed=reply.seed,
             stop_token_ids=tuple(stop_token_ids),
             stop=self.stop,
             top_logprobs=self.top_logprobs if self.logprobs else 0,
         )
-
-    def capped(self, run_cap: int) -> int:
-        """The reply's token cap: the client's, never above the run's."""
-        return min(self.max_tokens, run_cap) if self.max_tokens else run_cap
 
 
 def chat_params(body: Mapping[str, Any], *, completions: bool = False) -> RequestParams:

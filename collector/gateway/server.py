@@ -67,6 +67,7 @@ from sandpiper.collector.gateway.session import BudgetSpent, EpisodeSession
 from sandpiper.collector.inference.base import Generation, PolicyClient
 from sandpiper.collector.inference.vllm_client import ContextLengthExceeded
 from sandpiper.config import SamplingLimits
+from sandpiper.config.sampling import NoRoom
 from sandpiper.errors import InferenceError
 from sandpiper.store.records import utcnow
 
@@ -337,9 +338,7 @@ class Gateway:
         messages = api.check_messages(body)
         tools = api.check_tools(body)
         prompt, extends, delta, reason, check = session.chat_prompt(messages, tools)
-        generation, started, model_ms = await self._generate(
-            prompt, _budget(session, body, self._cap()), params
-        )
+        generation, started, model_ms = await self._generate(session, prompt, params)
         generation, stop_at = cut_at_stop(generation, params.stop, self.renderer.decode)
         text = self.renderer.decode(generation.token_ids_T.tolist())
         visible = self.renderer.strip_eos(text) if stop_at is None else text[:stop_at]
@@ -408,9 +407,7 @@ class Gateway:
         delta = prompt[len(previous.prompt_ids) + len(previous.generation.token_ids_T) :] if (
             extends and previous is not None) else []  # fmt: skip
         reason = None if previous is None or extends else "the prompt does not extend the last"
-        generation, started, model_ms = await self._generate(
-            prompt, _budget(session, body, self._cap()), params
-        )
+        generation, started, model_ms = await self._generate(session, prompt, params)
         generation, stop_at = cut_at_stop(generation, params.stop, self.renderer.decode)
         text = self.renderer.decode(generation.token_ids_T.tolist())
         session.record(
@@ -431,28 +428,35 @@ class Gateway:
             else None,
         )
 
-    def _cap(self) -> int:
-        return self.settings.sampling.max_tokens_per_turn
-
     async def _generate(
-        self, prompt: list[int], cap: int, request: RequestParams | None = None
+        self, session: EpisodeSession, prompt: list[int], request: RequestParams
     ) -> tuple[Generation, datetime, float]:
         """(generation, when the model call started, its duration in ms): the time of the
         client's ``generate`` alone, recorded as the call's ``duration_ms``. ``request``:
-        the client's sampling fields, already checked against the run's policy."""
-        room = self.settings.sampling.context_limit - len(prompt)
-        if room < 1:
-            raise _context_error(len(prompt), self.settings.sampling.context_limit)
-        params = (request or RequestParams()).sampling_params(
-            self.settings.sampling,
-            max_tokens=min(cap, room),
-            stop_token_ids=self.renderer.stop_token_ids,
-        )
+        the client's sampling fields, already checked against the run's policy. The reply's
+        cap is the run's one formula (``SamplingLimits.reply_request``); a call with no room
+        left is refused (HTTP 400) before the model is asked."""
+        sampling = self.settings.sampling
+        try:
+            session.check_turns()
+        except BudgetSpent as e:
+            raise api.APIError(400, str(e), code="episode_budget_exhausted") from e
+        reply = sampling.reply_request(
+            prompt_tokens=len(prompt), sampled_tokens=session.completion_tokens,
+            episode_budget=session.max_completion_tokens, max_tokens=request.max_tokens,
+            temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+        )  # fmt: skip
+        if isinstance(reply, NoRoom) and reply.reason == "context_exceeded":
+            raise _context_error(len(prompt), reply.limit)
+        if isinstance(reply, NoRoom):
+            spent = session.tokens_spent()
+            raise api.APIError(400, str(spent), code="episode_budget_exhausted") from spent
+        params = request.sampling_params(reply, stop_token_ids=self.renderer.stop_token_ids)
         started, t0 = utcnow(), time.perf_counter()
         try:
             generation = await self.client.generate(prompt, params)
         except ContextLengthExceeded as e:
-            raise _context_error(len(prompt), self.settings.sampling.context_limit) from e
+            raise _context_error(len(prompt), sampling.context_limit) from e
         except InferenceError as e:
             raise api.APIError(
                 503, f"the inference server failed: {e}", code="upstream_error"
@@ -462,13 +466,6 @@ class Gateway:
             raise api.APIError(503, "the inference server aborted the request",
                                code="upstream_error")  # fmt: skip
         return generation, started, model_ms
-
-
-def _budget(session: EpisodeSession, body: dict[str, Any], run_cap: int) -> int:
-    try:
-        return session.check_budget(api.max_tokens(body, run_cap))
-    except BudgetSpent as e:
-        raise api.APIError(400, str(e), code="episode_budget_exhausted") from e
 
 
 def _extends(prompt: Sequence[int], previous: Any) -> bool:

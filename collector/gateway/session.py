@@ -249,20 +249,19 @@ class EpisodeSession:
         for (call, _), differs in zip(checks, await asyncio.to_thread(run_all), strict=True):
             call.retokenized_differs = differs
 
-    def check_budget(self, asked_max_tokens: int) -> int:
-        """The max_tokens this call may use; raises BudgetSpent when none is left."""
+    def check_turns(self) -> None:
+        """Raises BudgetSpent when the episode's model calls are spent. Its sampled-token
+        budget (``max_completion_tokens``) bounds each reply through the run's one formula
+        (``SamplingLimits.reply_request``), which says when it is spent
+        (:meth:`tokens_spent`)."""
         if self.max_calls is not None and len(self.calls) >= self.max_calls:
             self.budget_spent = StopReason.MAX_TURNS
             raise BudgetSpent(f"the episode's {self.max_calls} model calls are spent")
-        if self.max_completion_tokens is None:
-            return asked_max_tokens
-        left = self.max_completion_tokens - self.completion_tokens
-        if left <= 0:
-            self.budget_spent = StopReason.MAX_TOKENS
-            raise BudgetSpent(
-                f"the episode's {self.max_completion_tokens} sampled tokens are spent"
-            )
-        return min(asked_max_tokens, left)
+
+    def tokens_spent(self) -> BudgetSpent:
+        """Mark the episode's sampled-token budget spent; the refusal to raise."""
+        self.budget_spent = StopReason.MAX_TOKENS
+        return BudgetSpent(f"the episode's {self.max_completion_tokens} sampled tokens are spent")
 
     def chat_prompt(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]

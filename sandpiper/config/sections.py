@@ -243,7 +243,11 @@ class CollectorConfig(_Part):
     max_turns: int = Field(default=6, ge=1)
     """Model replies per episode before it ends (stop reason ``max_turns``)."""
     max_tokens_per_turn: int = Field(default=256, ge=1)
-    """Sampled tokens per model reply."""
+    """Sampled tokens per model reply, at most. Every reply (training, evaluation, gateway) is
+    capped by one formula (``SamplingLimits.reply_request``): min(a gateway client's
+    ``max_tokens``, this, ``max_episode_tokens`` minus the episode's sampled tokens,
+    ``inference.max_model_len`` minus the prompt's tokens; ``--eval`` leaves this last term
+    out: its endpoint renders the prompt and bounds its own context)."""
     max_episode_tokens: int = Field(default=2048, ge=1)
     """Budget of sampled tokens over all turns of an episode (the context limit is the
     server's ``inference.max_model_len``)."""

@@ -19,6 +19,7 @@ from sandpiper.collector.gateway.server import Gateway, GatewaySettings
 from sandpiper.collector.inference.base import Generation, SamplingParams
 from sandpiper.collector.inference.vllm_client import _to_generation, generate_body
 from sandpiper.config import SamplingLimits
+from sandpiper.config.sampling import ReplyRequest
 from sandpiper.store.records import ToolErrorKind
 from sandpiper.testing import FAKE_TOOL_SCHEMAS, ScriptedPolicy
 
@@ -242,8 +243,10 @@ def test_malformed_sampling_fields_are_named_in_a_400(tiny_tokenizer, body, para
 
 
 def test_the_vllm_request_and_answer_carry_stop_strings_and_top_logprobs():
+    reply = SamplingLimits().reply_request(prompt_tokens=3, sampled_tokens=0, max_tokens=8)
+    assert isinstance(reply, ReplyRequest)
     params = RequestParams(stop=("END",), logprobs=True, top_logprobs=2).sampling_params(
-        SamplingLimits(), max_tokens=8, stop_token_ids=(2,)
+        reply, stop_token_ids=(2,)
     )
     sent = generate_body([1, 2, 3], params)["sampling_params"]
     assert sent["stop"] == ["END"] and sent["detokenize"] is True and sent["logprobs"] == 2
