@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sandpiper.store.records import MIN_VALID_EPISODES
 from sandpiper.store.step_metrics import StepMetrics
 
 PASS_REWARD = 1.0
@@ -204,7 +205,7 @@ SELECT run_id, min_policy_version AS policy_version,
        count(*) FILTER (WHERE zero_variance) AS n_zero_variance,
        {_float("avg(CASE WHEN zero_variance THEN 1.0 ELSE 0.0 END)")} AS zero_variance_share
 FROM group_reward_variance
-WHERE n_valid >= 2
+WHERE n_valid >= {MIN_VALID_EPISODES}
 GROUP BY run_id, min_policy_version""",
         "gateway_episodes": f"""
 SELECT run_id, task_id, episode_id, valid, reward, stop_reason, started_at,
@@ -236,7 +237,8 @@ VIEW_DOCS: dict[str, str] = {
     + ", ".join(IMPORTANCE_METRICS)
     + ".",
     "group_reward_variance": "Reward mean and variance of each group's valid episodes.",
-    "zero_variance_share": "Share of groups (>= 2 valid episodes) whose rewards are all equal.",
+    "zero_variance_share": f"Share of groups (>= {MIN_VALID_EPISODES} valid episodes) whose "
+    "rewards are all equal.",
     "gateway_episodes": "Per episode of an external agent (through the gateway): model calls, "
     "training segments (> 1: the agent rewrote its history; the reasons are in "
     "reward_breakdown.gateway) and re-tokenization mismatches.",

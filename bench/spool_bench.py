@@ -20,7 +20,12 @@ the last line is one JSON object):
 IPC variant with the pickle in the same run (> 1: slower / bigger than the pickle). The
 order of formats rotates every round, so drift of the machine's load spreads over all.
 ``put`` of a real ``GroupWriter`` is also timed with the default format (``writer_put_ms_p50``),
-and its idle cost: ``writer_idle_cpu_per_s`` is the process's CPU-seconds per second while an
+with the write path's CPU per group (this process, all threads: DuckDB's too):
+``writer_put_cpu_ms_per_group`` (check, convert, spool), ``writer_commit_cpu_ms_per_group``
+(one commit of all the groups into a DuckDB file) and their sum ``writer_cpu_ms_per_group``;
+``writer_restart_cpu_ms_per_group`` is the commit of the same number of other groups by a
+writer started on a spool that a previous one left them in (reading the files back included).
+And its idle cost: ``writer_idle_cpu_per_s`` is the process's CPU-seconds per second while an
 open writer has nothing to commit (a collector between groups), beside
 ``baseline_idle_cpu_per_s``, the same process idle with no writer, measured in the same run
 (goal: <= 0.01, a hundredth of a core; a writer that polled spun a whole core).
@@ -28,7 +33,8 @@ open writer has nothing to commit (a collector between groups), beside
 far better than sampled text does).
 
 Where the IPC encoding's time goes (one group): ~2.0 ms, of which ~1.5 ms is the store's own
-records → Arrow conversion, ~0.4 ms the IPC write; ``store.spool.COMPRESSION`` says why the
+records → Arrow conversion, ~0.4 ms the IPC write (the writer converts each group once, at
+``put``, and its commit inserts the rows the spool file holds); ``store.spool.COMPRESSION`` says why the
 default is no compression. Measured figures: bench/results/spool_bench.json.
 """
 
@@ -161,11 +167,32 @@ def main() -> None:
         writer_ms = []
         with store.writer(spool_dir=str(base / "writer"), flush_interval_s=3600,
                           flush_max_episodes=10**9) as w:  # fmt: skip
+            c0 = time.process_time()
             for g in groups:
                 t0 = time.perf_counter()
                 w.put(g)
                 writer_ms.append((time.perf_counter() - t0) * 1e3)
+            c1 = time.process_time()
             w.flush()
+            c2 = time.process_time()
+        put_cpu, commit_cpu = (c1 - c0) / len(groups), (c2 - c1) / len(groups)
+        # a restart: other groups left in a spool by a writer that stopped before its commit
+        others = [make_group(f"run/restart/{i}", n_episodes=args.episodes, n_turns=args.turns,
+                             tokens_per_turn=args.tokens)
+                  for i in range(len(groups))]  # fmt: skip
+        if args.random:
+            others = [_randomised(g, len(groups) + i) for i, g in enumerate(others)]
+        left = store.writer(spool_dir=str(base / "restart"), flush_interval_s=3600,
+                            flush_max_episodes=10**9)  # fmt: skip
+        for g in others:
+            left.put(g)
+        left.abandon()
+        c0 = time.process_time()
+        with store.writer(spool_dir=str(base / "restart"), flush_interval_s=3600,
+                          flush_max_episodes=10**9) as w:  # fmt: skip
+            w.flush()
+            assert w.committed_groups == len(others), w.committed_groups
+        restart_cpu = (time.process_time() - c0) / len(others)
         baseline_idle = _idle_cpu_per_s(IDLE_S)
         with store.writer(spool_dir=str(base / "idle"), flush_interval_s=0.05) as w:
             w.put(groups[0])
@@ -179,6 +206,10 @@ def main() -> None:
         "tokens": "random (zipf)" if args.random else "make_group",
         "default_compression": spool.COMPRESSION,
         "writer_put_ms_p50": _p50(writer_ms),
+        "writer_put_cpu_ms_per_group": round(put_cpu * 1e3, 3),
+        "writer_commit_cpu_ms_per_group": round(commit_cpu * 1e3, 3),
+        "writer_cpu_ms_per_group": round((put_cpu + commit_cpu) * 1e3, 3),
+        "writer_restart_cpu_ms_per_group": round(restart_cpu * 1e3, 3),
         "writer_idle_cpu_per_s": round(writer_idle, 4),
         "baseline_idle_cpu_per_s": round(baseline_idle, 4),
         "load_avg_1m": round(os.getloadavg()[0], 2),

@@ -21,6 +21,12 @@ Figures (one line each; with ``--json`` the last line is one JSON object):
   ≤ 100 ms).
 - ``read_during_write_ms_p50`` / ``_max``: a read-only query (open, count, close) while
   another thread keeps committing batches (goal max ≤ 300 ms).
+- ``store_cpu_ms_per_group``: CPU of ``Store.write_groups`` per group of 8 (records
+  converted at the commit, as one batch).
+- ``writer_cpu_ms_per_group``: the collector's write path for the same number of groups (of
+  other ids) into another DuckDB file: ``GroupWriter.put`` of each (check, convert once,
+  durable spool file; ``writer_put_cpu_ms_per_group``), then one commit of them all
+  (``writer_commit_cpu_ms_per_group``, the rows the spool holds inserted).
 - ``*_cpu_*``: the same in CPU seconds of this process (all threads), which the machine's
   other load blurs far less than wall time; ``load_avg_1m_start`` / ``_end`` say how loaded
   it was. One untimed warm-up batch goes through both paths first.
@@ -134,6 +140,34 @@ def bench_ingest(store: Store, out_dir: Path, n_traj: int, n_turns: int, tokens:
         "store_cpu_s": round(store_cpu, 3),
         "parquet_cpu_s": round(parquet_cpu, 3),
         "ingest_vs_parquet_cpu_ratio": round(parquet_cpu / store_cpu, 3),
+        "store_cpu_ms_per_group": round(store_cpu / (n_done / GROUP_SIZE) * 1e3, 3),
+    }
+
+
+def bench_writer(work: Path, n_traj: int, n_turns: int, tokens: int) -> dict:
+    """The collector's write path: ``put`` every group into a ``GroupWriter`` (no commit
+    due meanwhile), then one flush; CPU of this process (all threads) per group."""
+    store = Store(f"duckdb:///{work / 'writer.duckdb'}")
+    store.init()
+    _setup_run(store)
+    put_cpu, n_groups = 0.0, 0
+    with store.writer(spool_dir=str(work / "writer.spool"), flush_interval_s=3600,
+                      flush_max_episodes=10**9) as w:  # fmt: skip
+        for groups in _batches(n_traj, n_turns, tokens, "w"):
+            c0 = time.process_time()
+            for g in groups:
+                w.put(g)
+            put_cpu += time.process_time() - c0
+            n_groups += len(groups)
+        c0 = time.process_time()
+        w.flush()
+        commit_cpu = time.process_time() - c0
+        assert w.committed_groups == n_groups, (w.committed_groups, n_groups)
+    store.close()
+    return {
+        "writer_put_cpu_ms_per_group": round(put_cpu / n_groups * 1e3, 3),
+        "writer_commit_cpu_ms_per_group": round(commit_cpu / n_groups * 1e3, 3),
+        "writer_cpu_ms_per_group": round((put_cpu + commit_cpu) / n_groups * 1e3, 3),
     }
 
 
@@ -246,6 +280,7 @@ def main() -> None:
     result["load_avg_1m_start"] = round(os.getloadavg()[0], 1)
     warm_up(work, args.turns, args.tokens)
     result |= bench_ingest(store, work / "parquet", n_traj, args.turns, args.tokens)
+    result |= bench_writer(work, n_traj, args.turns, args.tokens)
     if args.postgres == "local":
         from tests.fixtures.postgres import private_server
 

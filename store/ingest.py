@@ -14,12 +14,17 @@ In one transaction:
 
 Two groups with one id in the same call count as one group when their episodes agree, else
 both are refused as duplicates.
+
+A group comes as a record (converted here with the rest of its batch, checked on the
+converted buffers: ``to_arrow.checked_tables``) or as the rows the writer converted and
+checked once at ``put`` and spooled (``to_arrow.GroupRows``: inserted as they are, whether
+from memory or read back after a restart).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -33,10 +38,6 @@ log = logging.getLogger(__name__)
 
 CHUNK = 1000
 """Ids per IN list."""
-
-
-def _episode_ids(g: GroupRecord) -> frozenset[str]:
-    return frozenset(e.episode_id for e in g.episodes)
 
 
 def _chunks(ids: list[str]) -> Iterator[list[str]]:
@@ -59,14 +60,14 @@ def _stored_episodes(conn: sa.Connection, ids: list[str]) -> dict[str, frozenset
     return {k: frozenset(v) for k, v in found.items()}
 
 
-def _slot_seq(g: GroupRecord) -> int:
+def _slot_seq(g: Item) -> int:
     head, _, seq = g.group_id.rpartition("/")
     if head != f"{g.run_id}/{g.task_id}" or not seq.isdigit():
         raise ValueError(f"group {g.group_id!r} has a slot lease but is not a slot's id")
     return int(seq)
 
 
-def _lease(conn: sa.Connection, g: GroupRecord) -> int | None:
+def _lease(conn: sa.Connection, g: Item) -> int | None:
     s = schema.task_slots
     return conn.execute(
         sa.select(s.c.lease).where(
@@ -75,7 +76,7 @@ def _lease(conn: sa.Connection, g: GroupRecord) -> int | None:
     ).scalar()
 
 
-def _finish_slots(conn: sa.Connection, groups: list[GroupRecord], now: datetime) -> set[str]:
+def _finish_slots(conn: sa.Connection, groups: list[Item], now: datetime) -> set[str]:
     """Mark the slots of ``groups`` done where they still have the group's lease; returns
     the group ids whose slot was. PostgreSQL: one statement for all (a round trip per group
     was most of a commit's statements); DuckDB: one by one, under the file lock."""
@@ -94,21 +95,15 @@ def _finish_slots(conn: sa.Connection, groups: list[GroupRecord], now: datetime)
     }
 
 
-def _checked_tables(groups: list[GroupRecord], now: datetime) -> dict[str, pa.Table]:
-    """The Arrow tables of ``groups`` with episodes of unusable sampler output stored
-    invalid (:mod:`sandpiper.store.validation`). Converted first and checked on the converted buffers
-    (the usual case: one pass); only a batch with a suspect value goes through
-    :func:`~sandpiper.store.validation.check_group` group by group, and is converted again if that
-    changed anything."""
-    from sandpiper.store.validation import check_group
+Item = GroupRecord | to_arrow.GroupRows
+"""What a commit takes: groups as records (converted here, as one batch) or as the rows the
+writer made at ``put`` and spooled (inserted as they are)."""
 
-    tables, sound = to_arrow.convert_groups(groups, now)
-    if sound:
-        return tables
-    checked = [check_group(g) for g in groups]
-    if all(a is b for a, b in zip(checked, groups, strict=True)):
-        return tables
-    return to_arrow.groups_to_arrow(checked, now)
+
+def _episode_ids(g: Item) -> frozenset[str]:
+    if isinstance(g, to_arrow.GroupRows):
+        return g.episode_ids
+    return frozenset(e.episode_id for e in g.episodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +111,7 @@ class Prepared:
     """A batch made ready for :func:`write` outside the store's transaction (on DuckDB that
     takes a file lock every reader and the learner's claim wait on)."""
 
-    batch: dict[str, GroupRecord]
+    batch: dict[str, Item]
     """group_id -> the group (the first of two with one id and the same episodes)."""
     refused: dict[str, WriteOutcome]
     """Groups refused before the store is asked (one id handed in with other episodes)."""
@@ -125,9 +120,22 @@ class Prepared:
     now: datetime
 
 
-def prepare(groups: list[GroupRecord]) -> Prepared:
+def _tables(candidates: list[Item], now: datetime) -> dict[str, pa.Table]:
+    """The rows of ``candidates``: records converted and checked in one batch
+    (``to_arrow.checked_tables``); rows, already checked at ``put``, as they are."""
+    parts = [g.tables for g in candidates if isinstance(g, to_arrow.GroupRows)]
+    records = [g for g in candidates if not isinstance(g, to_arrow.GroupRows)]
+    if records:
+        tables, _ = to_arrow.checked_tables(records, now)
+        if not parts:
+            return tables
+        parts.append(tables)
+    return to_arrow.join_tables(parts, now)
+
+
+def prepare(groups: Sequence[Item]) -> Prepared:
     outcomes: dict[str, WriteOutcome] = {}
-    batch: dict[str, GroupRecord] = {}
+    batch: dict[str, Item] = {}
     # (check_group leaves episode ids as they are: the checks below need no validated copy)
     for g in groups:
         first = batch.get(g.group_id)
@@ -138,7 +146,7 @@ def prepare(groups: list[GroupRecord]) -> Prepared:
             outcomes[g.group_id] = WriteOutcome.DUPLICATE  # refused below too
     now = utcnow()
     candidates = [g for gid, g in batch.items() if gid not in outcomes]
-    tables = _checked_tables(candidates, now) if candidates else None
+    tables = _tables(candidates, now) if candidates else None
     return Prepared(batch, outcomes, tables, now)
 
 
@@ -149,7 +157,7 @@ def write(conn: sa.Connection, prepared: Prepared) -> WriteReport:
     if not batch:
         return WriteReport({})
     stored = _stored_episodes(conn, list(batch))
-    pending: list[GroupRecord] = []
+    pending: list[Item] = []
     # slots are finished in key order, so two writers never lock the same rows crosswise
     for gid, g in sorted(batch.items(), key=lambda kv: (kv[1].task_id, kv[0])):
         if gid in outcomes:
@@ -164,7 +172,7 @@ def write(conn: sa.Connection, prepared: Prepared) -> WriteReport:
         else:
             pending.append(g)
     finished = _finish_slots(conn, [g for g in pending if g.slot_lease is not None], now)
-    fresh: list[GroupRecord] = []
+    fresh: list[Item] = []
     for g in pending:
         if g.slot_lease is not None and g.group_id not in finished:
             outcomes[g.group_id] = WriteOutcome.SUPERSEDED

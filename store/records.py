@@ -80,6 +80,13 @@ INFRA_STOPS = frozenset(
 """Stops not caused by the policy (infrastructure, broken tasks): invalid episodes, never 0."""
 
 
+MIN_VALID_EPISODES = 2
+"""The GRPO rule, in one place: a group needs this many valid episodes for an advantage (a
+reward against the others' mean and spread). A train group with fewer is stored ``invalid``
+(``store/to_arrow.py``), the learner skips one (``trainer/advantages.py``), and the
+``zero_variance_share`` view counts only groups with as many (``analysis/views.py``)."""
+
+
 class GroupStatus(StrEnum):
     COLLECTING = "collecting"
     READY = "ready"
@@ -88,7 +95,7 @@ class GroupStatus(StrEnum):
     CONSUMED = "consumed"
     DROPPED_STALE = "dropped_stale"
     INVALID = "invalid"
-    """Too few valid episodes to compute an advantage."""
+    """Fewer than :data:`MIN_VALID_EPISODES` valid episodes: no advantage can be computed."""
     DEAD = "dead"
     """Stored, but a learner could not read it: set aside in ``dead_groups`` (never trained
     on until ``sandpiper store retry-dead`` gives it back)."""

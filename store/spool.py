@@ -14,7 +14,7 @@ what the file is:
 - ``sandpiper.spool.slot_lease``: the slot lease the group was produced under, or empty (not
   a store column: the store checks it at ingest and keeps only the slot's current lease);
 - ``sandpiper.store.schema_version``: the store schema the tables were made from (information:
-  columns are read by name, so a column added by a later migration does not break reading).
+  columns are read by name, and :func:`read` fills a nullable column a later migration added).
 
 Why one stream of list columns and not one stream per table: an IPC stream has one schema,
 and one self-describing stream per file keeps the write a single buffer (temp file, fsync,
@@ -22,18 +22,19 @@ rename, fsync of the folder: see :mod:`sandpiper.store.writer`) that any Arrow r
 open (``pyarrow.ipc.open_stream``). Buffers are compressed with :data:`COMPRESSION`
 (measured with ``bench/spool_bench.py``); a reader needs no option to read any of them.
 
-The spooled tables are made from the group after the store's ingest check
-(:func:`~sandpiper.store.validation.check_group`), so values the check would change (a
-fractional policy version) are not altered by the conversion; :func:`decode` rebuilds the
-:class:`~sandpiper.store.records.GroupRecord` the store then commits (it converts and checks
-it again: the same rows). Rebuilt, not ingested as tables: the ingest decides duplicates,
-slot leases and validation on records (``store.ingest``), and a commit batch mixes groups
-spooled before a restart with groups ``put`` since, which are still in memory.
+One conversion per group: ``put`` checks and converts a group once
+(:func:`~sandpiper.store.to_arrow.checked_rows`: the ingest check of
+:mod:`sandpiper.store.validation` runs on the converted buffers), :func:`encode_rows` writes
+those rows, and the commit inserts the rows :func:`read` gives back from the file — the same
+rows whether the group was put by this process or found in the spool after a restart; no
+``GroupRecord`` is rebuilt on the way. :func:`decode` still rebuilds one (the writer's
+``on_outcome`` of a group read back after a restart, ``store retry-dead``, tests).
 
-Files of the previous release — a pickle of the ``GroupRecord`` (:func:`load_legacy`) — are
-still read so that groups acknowledged before an upgrade commit after it; they are unpickled
-with an allow-list of the classes such a pickle holds (records, numpy arrays, datetimes), so
-a file dropped into the spool cannot run code. New files are never pickles.
+Files of the release before format 1 — a pickle of the ``GroupRecord`` (:func:`load_legacy`) —
+are still read so that groups acknowledged before an upgrade commit after it (checked and
+converted when read); they are unpickled with an allow-list of the classes such a pickle
+holds (records, numpy arrays, datetimes), so a file dropped into the spool cannot run code.
+New files are never pickles.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from sandpiper.errors import StoreError
 from sandpiper.store import packed, records, schema, text, to_arrow
@@ -61,10 +63,13 @@ from sandpiper.store.records import (
     ToolErrorKind,
     TurnRecord,
 )
+from sandpiper.store.to_arrow import GroupRows
 
 FORMAT_VERSION = "1"
 """Value of ``sandpiper.spool.format``; bump when the layout of a spool file changes (and
-keep reading the previous one: acknowledged groups must commit after an upgrade)."""
+keep reading the previous one: acknowledged groups must commit after an upgrade). Format 1
+already held the rows the store inserts, so the files written before ``put`` stopped
+converting twice are read, and committed, as they are."""
 
 COMPRESSION: str | None = None
 """IPC buffer compression of new spool files (``None``, ``"lz4"`` or ``"zstd"``; a reader
@@ -85,6 +90,7 @@ _IPC_MAGIC = b"\xff\xff\xff\xff"
 """An IPC stream starts with the continuation marker of its schema message."""
 
 TABLES = tuple(t.name for t in schema.BULK_TABLES)
+_SCHEMAS = {t.name: schema.arrow_schema(t) for t in schema.BULK_TABLES}
 
 
 class SpoolFormatError(StoreError):
@@ -119,21 +125,19 @@ def warm_up() -> None:
 def encode(group: GroupRecord, *, compression: str | None = COMPRESSION) -> pa.Buffer:
     """The spool file of ``group`` after the store's ingest check (bytes to write); raises
     :class:`StoreError` for a group the store could not ingest (a trainable turn without
-    logprobs, arrays of wrong length)."""
-    from sandpiper.store.validation import check_group
+    logprobs, arrays of wrong length). The writer's ``put`` keeps the rows it converts
+    (:func:`~sandpiper.store.to_arrow.checked_rows`, then :func:`encode_rows`)."""
+    rows, _ = to_arrow.checked_rows(group, records.utcnow())
+    return encode_rows(rows, compression=compression)
 
-    return encode_checked(check_group(group), compression=compression)
 
-
-def encode_checked(group: GroupRecord, *, compression: str | None = COMPRESSION) -> pa.Buffer:
-    """:func:`encode` of a group :func:`~sandpiper.store.validation.check_group` already
-    returned (the writer's ``put`` checks once and keeps the checked group)."""
-    tables, _ = to_arrow.convert_groups([group], records.utcnow())
-    columns = [_as_list_column(tables[name]) for name in TABLES]
+def encode_rows(rows: GroupRows, *, compression: str | None = COMPRESSION) -> pa.Buffer:
+    """The spool file holding ``rows`` (one checked group's rows: ``to_arrow.checked_rows``)."""
+    columns = [_as_list_column(rows.tables[name]) for name in TABLES]
     meta = {
         KEY_FORMAT: FORMAT_VERSION.encode(),
-        KEY_GROUP: group.group_id.encode(),
-        KEY_LEASE: b"" if group.slot_lease is None else str(group.slot_lease).encode(),
+        KEY_GROUP: rows.group_id.encode(),
+        KEY_LEASE: b"" if rows.slot_lease is None else str(rows.slot_lease).encode(),
         KEY_SCHEMA: str(schema.SCHEMA_VERSION).encode(),
     }
     batch = pa.RecordBatch.from_arrays(columns, schema=pa.schema(
@@ -150,18 +154,38 @@ def encode_checked(group: GroupRecord, *, compression: str | None = COMPRESSION)
 # ---- reading -------------------------------------------------------------------------------
 
 
-def decode(data: bytes | pa.Buffer) -> GroupRecord:
-    """The group a spool file holds: this format (:func:`encode`) or the previous release's
-    pickle (:func:`load_legacy`). Raises :class:`SpoolFormatError` for anything else."""
+def read(data: bytes | pa.Buffer) -> GroupRows:
+    """The rows a spool file holds, ready to commit: this format's tables as they are, or a
+    pickle of the release before it checked and converted (:func:`load_legacy`). Raises
+    :class:`SpoolFormatError` for anything else."""
     head = bytes(memoryview(data)[:4])
     if head == _IPC_MAGIC:
-        return _decode_ipc(data)
-    if head[:1] == b"\x80":  # pickle protocol >= 2 (what put() wrote before this format)
-        return load_legacy(bytes(data))
+        return _read_ipc(data)
+    if head[:1] == b"\x80":  # pickle protocol >= 2 (what put() wrote before format 1)
+        return _legacy_rows(bytes(data))[0]
     raise SpoolFormatError(f"not a spool file (starts with {head!r})")
 
 
-def _decode_ipc(data: bytes | pa.Buffer) -> GroupRecord:
+def decode(data: bytes | pa.Buffer) -> GroupRecord:
+    """The group a spool file holds, as a record: rebuilt from this format's rows
+    (:func:`group_of`), or the previous release's pickle (:func:`load_legacy`). Raises
+    :class:`SpoolFormatError` for anything else. The commit does not need it (:func:`read`)."""
+    head = bytes(memoryview(data)[:4])
+    if head[:1] == b"\x80":
+        return load_legacy(bytes(data))
+    rows = read(data)
+    try:
+        return group_of(rows)
+    except (KeyError, ValueError, TypeError, IndexError, pa.ArrowException) as e:
+        raise SpoolFormatError(f"spool file does not hold a whole group: {e!r}") from e
+
+
+def group_of(rows: GroupRows) -> GroupRecord:
+    """The record whose rows ``rows`` are (:func:`tables_to_group`)."""
+    return tables_to_group(rows.tables, slot_lease=rows.slot_lease)
+
+
+def _read_ipc(data: bytes | pa.Buffer) -> GroupRows:
     try:
         reader = pa.ipc.open_stream(pa.py_buffer(data) if isinstance(data, bytes) else data)
         meta = reader.schema.metadata or {}
@@ -177,14 +201,16 @@ def _decode_ipc(data: bytes | pa.Buffer) -> GroupRecord:
         raise SpoolFormatError(f"expected one row, found {[b.num_rows for b in batches]}")
     batch = batches[0]
     try:
-        tables = {name: _rows(batch, name) for name in TABLES}
+        tables = {name: _conformed(name, _rows(batch, name)) for name in TABLES}
         lease = meta.get(KEY_LEASE, b"")
-        group = tables_to_group(tables, slot_lease=int(lease) if lease else None)
+        rows = _group_rows(tables, slot_lease=int(lease) if lease else None)
+    except SpoolFormatError:
+        raise
     except (KeyError, ValueError, TypeError, IndexError, pa.ArrowException) as e:
         raise SpoolFormatError(f"spool file does not hold a whole group: {e!r}") from e
-    if meta.get(KEY_GROUP, group.group_id.encode()) != group.group_id.encode():
+    if meta.get(KEY_GROUP, rows.group_id.encode()) != rows.group_id.encode():
         raise SpoolFormatError("group id in the metadata differs from the groups row")
-    return group
+    return rows
 
 
 def _rows(batch: pa.RecordBatch, name: str) -> pa.Table:
@@ -193,6 +219,45 @@ def _rows(batch: pa.RecordBatch, name: str) -> pa.Table:
         raise TypeError(f"column {name} is {col.type}, not a list of rows")
     values = col.flatten()
     return pa.Table.from_batches([pa.RecordBatch.from_struct_array(values)])
+
+
+def _conformed(name: str, table: pa.Table) -> pa.Table:
+    """``table`` in this release's Arrow schema of table ``name``: columns by name, a
+    nullable column the file lacks (added by a later migration) filled with nulls."""
+    want = _SCHEMAS[name]
+    if table.schema.equals(want):
+        return table
+    columns = []
+    for f in want:
+        if f.name in table.column_names:
+            columns.append(table[f.name].cast(f.type))
+        elif f.nullable:
+            columns.append(pa.nulls(table.num_rows, f.type))
+        else:
+            raise SpoolFormatError(f"table {name} has no column {f.name}")
+    return pa.Table.from_arrays(columns, schema=want)
+
+
+def _group_rows(tables: dict[str, pa.Table], *, slot_lease: int | None) -> GroupRows:
+    """The :class:`GroupRows` of one group's tables (every row of the group's id)."""
+    groups = tables["groups"]
+    if groups.num_rows != 1 or tables["group_states"].num_rows != 1:
+        raise ValueError("not one groups row and one group_states row")
+    stored_id = groups["group_id"][0]
+    for name, table in tables.items():
+        if table.num_rows and not pc.all(pc.equal(table["group_id"], stored_id)).as_py():
+            raise ValueError(f"rows of another group in {name}")
+    (g,) = _pylist(groups.select(["group_id", "run_id", "task_id", "collector_id"]))
+    episode_ids = [text.decode(e) or "" for e in tables["episodes"]["episode_id"].to_pylist()]
+    return GroupRows(
+        group_id=g["group_id"],
+        run_id=g["run_id"],
+        task_id=g["task_id"],
+        slot_lease=slot_lease,
+        collector_id=g["collector_id"],
+        episode_ids=frozenset(episode_ids),
+        tables=tables,
+    )
 
 
 def _dt(value: datetime | None) -> datetime:
@@ -296,7 +361,7 @@ def tables_to_group(tables: dict[str, pa.Table], *, slot_lease: int | None) -> G
     )
 
 
-# ---- the previous release's pickles --------------------------------------------------------
+# ---- the pickles of the release before format 1 --------------------------------------------
 
 _RECORD_MODULES = {"sandpiper.store.records", "store.records"}
 """Where the record classes lived: ``store.records`` before the parts moved under
@@ -349,6 +414,11 @@ def upgraded(group: GroupRecord) -> GroupRecord:
 def load_legacy(data: bytes) -> GroupRecord:
     """A group pickled by the previous release's ``GroupWriter.put`` (and the older shapes
     :func:`upgraded` converts); :class:`SpoolFormatError` for anything else."""
+    return _legacy_rows(data)[1]
+
+
+def _legacy_rows(data: bytes) -> tuple[GroupRows, GroupRecord]:
+    """:func:`load_legacy`'s group, checked and converted (its rows), and as it was pickled."""
     try:
         group = _SpoolUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # truncated, refused class, ...: never crash the writer
@@ -357,7 +427,7 @@ def load_legacy(data: bytes) -> GroupRecord:
         raise SpoolFormatError(f"pickled spool file holds a {type(group).__name__}")
     group = upgraded(group)
     try:  # a pickle's fields may hold anything; the store's conversion must take them
-        to_arrow.convert_groups([group], records.utcnow())
+        rows, _ = to_arrow.checked_rows(group, records.utcnow())
     except Exception as e:
         raise SpoolFormatError(f"pickled group {group.group_id!r} cannot be stored: {e!r}") from e
-    return group
+    return rows, group

@@ -1,6 +1,11 @@
 """Records → Arrow: flatten whole GroupRecords into one Arrow table per bulk table, in the
 store's derived schema, for the store's bulk insert and the writer's spool files.
 
+The writer converts each group once, at ``put`` (:func:`checked_rows`: the ingest check
+runs on the converted buffers); its :class:`GroupRows` are what the spool file holds and
+what the commit inserts (:func:`join_tables`), also after a restart. ``Store.write_groups``
+converts a batch of records at once (:func:`checked_tables`).
+
 Column-wise: per-token work runs once on buffers concatenated over the whole batch; text
 columns pass through the store's escape (:mod:`sandpiper.store.text`).
 """
@@ -19,15 +24,23 @@ import sqlalchemy as sa
 
 from sandpiper.errors import StoreError
 from sandpiper.store import packed, schema, text
-from sandpiper.store.records import GroupRecord, GroupStatus, Split, TurnRecord
+from sandpiper.store.records import (
+    MIN_VALID_EPISODES,
+    GroupRecord,
+    GroupStatus,
+    Split,
+    TurnRecord,
+)
 
-MIN_VALID_FOR_ADVANTAGE = 2
-"""A train group with fewer valid episodes than this cannot have an advantage: ``invalid``."""
+_ARROW_SCHEMAS: dict[sa.Table, pa.Schema] = {}
+"""``schema.arrow_schema`` of each bulk table, derived once (a tenth of converting one group)."""
 
 
 def _table(table: sa.Table, columns: dict[str, Any]) -> pa.Table:
     """An Arrow table in ``table``'s derived schema (fails loudly on a missing column)."""
-    arrow = schema.arrow_schema(table)
+    arrow = _ARROW_SCHEMAS.get(table)
+    if arrow is None:
+        arrow = _ARROW_SCHEMAS[table] = schema.arrow_schema(table)
     arrays = []
     for f in arrow:
         value = columns[f.name]
@@ -72,8 +85,9 @@ def _repeating_owner(indexes: Sequence[int], n_per_owner: Sequence[int]) -> int 
 
 
 def group_status(group: GroupRecord) -> GroupStatus:
+    """``invalid`` for a train group with fewer than ``MIN_VALID_EPISODES`` valid episodes."""
     n_valid = sum(e.valid for e in group.episodes)
-    if group.split == Split.TRAIN and n_valid < MIN_VALID_FOR_ADVANTAGE:
+    if group.split == Split.TRAIN and n_valid < MIN_VALID_EPISODES:
         return GroupStatus.INVALID
     return GroupStatus.READY
 
@@ -221,6 +235,87 @@ def convert_groups(
         "tool_calls": _table(schema.tool_calls, c_cols),
     }
     return tables, versions.sound and packed.all_finite(tables["turns"]["logprobs"])
+
+
+def checked_tables(
+    groups: Sequence[GroupRecord], now: datetime
+) -> tuple[dict[str, pa.Table], list[GroupRecord]]:
+    """The tables of ``groups`` with episodes of unusable sampler output made invalid
+    (:mod:`sandpiper.store.validation`), and the groups as checked. One conversion in the
+    usual case: the check runs on the buffers :func:`convert_groups` concatenates anyway;
+    only a batch with a suspect value goes through ``check_group`` group by group, and is
+    converted again if that changed anything."""
+    from sandpiper.store.validation import check_group
+
+    tables, sound = convert_groups(groups, now)
+    if sound:
+        return tables, list(groups)
+    checked = [check_group(g) for g in groups]
+    if all(a is b for a, b in zip(checked, groups, strict=True)):
+        return tables, list(groups)
+    return groups_to_arrow(checked, now), checked
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRows:
+    """One checked group as the rows it becomes in the store's bulk tables: what ``put``
+    makes once, the spool file holds (:mod:`sandpiper.store.spool`) and the commit inserts
+    (``store.ingest``). The other fields are what the ingest decides on without reading the
+    tables (duplicates, the slot's lease)."""
+
+    group_id: str
+    run_id: str
+    task_id: str
+    slot_lease: int | None
+    collector_id: str | None
+    episode_ids: frozenset[str]
+    tables: dict[str, pa.Table]
+    """Table name -> this group's rows (``committed_at`` / ``updated_at`` are set again by
+    the commit that inserts them)."""
+
+    @property
+    def n_episodes(self) -> int:
+        return self.tables["episodes"].num_rows
+
+
+def checked_rows(group: GroupRecord, now: datetime) -> tuple[GroupRows, GroupRecord]:
+    """``group`` checked and converted once (:func:`checked_tables`): its rows, and the
+    group as checked. Raises :class:`StoreError` for a group the store cannot take."""
+    tables, (checked,) = checked_tables([group], now)
+    return rows_of(checked, tables), checked
+
+
+def rows_of(group: GroupRecord, tables: dict[str, pa.Table]) -> GroupRows:
+    """The :class:`GroupRows` of ``group`` whose rows ``tables`` are."""
+    return GroupRows(
+        group_id=group.group_id,
+        run_id=group.run_id,
+        task_id=group.task_id,
+        slot_lease=group.slot_lease,
+        collector_id=group.collector_id,
+        episode_ids=frozenset(e.episode_id for e in group.episodes),
+        tables=tables,
+    )
+
+
+COMMIT_TIME_COLUMNS = {"groups": "committed_at", "group_states": "updated_at"}
+"""The columns a commit sets to its own time (a group's rows are made before, at ``put``)."""
+
+
+def join_tables(parts: Sequence[dict[str, pa.Table]], now: datetime) -> dict[str, pa.Table]:
+    """Several groups' tables (:attr:`GroupRows.tables`) as one table each, as
+    :func:`convert_groups` makes them for a batch: one chunk (the inserts slice them in
+    batches of their own size), the commit's time in :data:`COMMIT_TIME_COLUMNS`."""
+    out = {}
+    for t in schema.BULK_TABLES:
+        table = pa.concat_tables([p[t.name] for p in parts]).combine_chunks()
+        column = COMMIT_TIME_COLUMNS.get(t.name)
+        if column is not None:
+            at = table.schema.get_field_index(column)
+            field = table.schema.field(at)
+            table = table.set_column(at, field, pa.array([now] * table.num_rows, field.type))
+        out[t.name] = table
+    return out
 
 
 def only_groups(tables: dict[str, pa.Table], group_ids: Sequence[str]) -> dict[str, pa.Table]:

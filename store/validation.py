@@ -11,10 +11,12 @@ keep their non-finite values, the original stop reason and reward move into
 (which ``EpisodeRecord.policy_version_range`` skips). The group's status then follows from its
 valid episodes as usual (too few valid: ``invalid``).
 
-:func:`check_group` is pure and idempotent. ``Store.write_groups`` converts a batch to Arrow
-first and checks the converted buffers in one pass (``to_arrow.convert_groups``); only a
-batch with a suspect value goes through :func:`check_group` (``store.ingest``), so every
-group ends up as if it had been checked.
+:func:`check_group` is pure and idempotent. Groups are converted to Arrow first and the
+converted buffers checked in one pass (``to_arrow.convert_groups``); only groups with a
+suspect value go through :func:`check_group` (``to_arrow.checked_tables``), so every group
+ends up as if it had been checked. The writer's ``put`` does this once per group and spools
+the checked rows, which the commit inserts as they are; ``Store.write_groups`` does it for
+a batch of records.
 """
 
 from __future__ import annotations

@@ -9,9 +9,13 @@ same spool directory after a crash commits what it finds there; ingest is idempo
 ``group_id``, so a group committed just before the crash (spool file not yet deleted) is
 stored once (reported ``replayed``).
 
-``put`` applies the store's ingest check (:func:`~sandpiper.store.validation.check_group`:
-episodes with unusable sampler output become invalid) before spooling; the checked group is
-what is committed and reported, whether from memory or read back after a restart.
+``put`` checks and converts each group once (:func:`~sandpiper.store.to_arrow.checked_rows`:
+the store's ingest check of :mod:`sandpiper.store.validation` on the converted buffers, so
+episodes with unusable sampler output become invalid) and spools those rows; the commit
+reads the rows back from the spool files and inserts them as they are, whether they were put
+by this process or found in the spool after a restart (no ``GroupRecord`` is rebuilt for
+the commit). ``on_outcome`` is told the group as checked (for a group read back after a
+restart, rebuilt from its rows, and only when there is an ``on_outcome``).
 
 Every group's outcome (:class:`~sandpiper.store.records.WriteOutcome`) is reported back through
 ``on_outcome(group, outcome)`` (called on the writer thread) and counted. A group the store
@@ -43,7 +47,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -52,8 +57,9 @@ from filelock import FileLock, Timeout
 from sandpiper.errors import StoreError
 from sandpiper.store import dead as dead_letters
 from sandpiper.store import spool as spool_format
-from sandpiper.store.records import GroupRecord, WriteOutcome, WriteReport
-from sandpiper.store.validation import check_group
+from sandpiper.store import to_arrow
+from sandpiper.store.records import GroupRecord, WriteOutcome, WriteReport, utcnow
+from sandpiper.store.to_arrow import GroupRows
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +105,9 @@ class WriterStore(Protocol):
         """The spool folder when the writer is given none."""
         ...
 
-    def write_groups_report(self, groups: list[GroupRecord]) -> WriteReport:
-        """Commit whole groups in one transaction; each group's outcome."""
+    def write_groups_report(self, groups: Sequence[GroupRecord | GroupRows]) -> WriteReport:
+        """Commit whole groups (records, or rows converted at ``put``) in one transaction;
+        each group's outcome."""
         ...
 
     def ping(self) -> None:
@@ -140,6 +147,24 @@ def write_durably(path: Path, data: bytes | memoryview, *, tmp: Path) -> None:
     _fsync_dir(path.parent)
 
 
+@dataclass(slots=True)
+class _Spooled:
+    """A group acknowledged and not committed yet: its spool file holds its rows."""
+
+    group_id: str
+    n_episodes: int
+    path: Path
+    group: GroupRecord | None
+    """As checked by ``put`` (for ``on_outcome``); None when found in the spool at start."""
+    rows: GroupRows | None = None
+    """Kept only for a file of the release before format 1 (converted when read at start);
+    the others' rows are read from their file at the commit (not held twice in memory)."""
+
+
+_Item = tuple[_Spooled, GroupRows]
+"""A group of a commit batch, with the rows the commit inserts."""
+
+
 class GroupWriter:
     """Durable, batched, idempotent group writer (see module docstring). A context manager."""
 
@@ -164,7 +189,7 @@ class GroupWriter:
         except Timeout:
             raise StoreError(f"spool {self.spool} is in use by another writer") from None
         self._cond = threading.Condition()
-        self._pending: dict[str, tuple[GroupRecord, Path]] = {}
+        self._pending: dict[str, _Spooled] = {}
         self._pending_episodes = 0
         self._flush_requested = False
         self._closed = False
@@ -183,12 +208,16 @@ class GroupWriter:
         """Groups set aside: the store failed on each alone while it took the others."""
         for path in sorted(self.spool.glob("*.group")):
             try:
-                group = spool_format.decode(path.read_bytes())
+                data = path.read_bytes()
+                rows = spool_format.read(data)
             except spool_format.SpoolFormatError as e:
                 self._quarantine_unreadable(path, e)
                 continue
-            self._pending[group.group_id] = (group, path)
-            self._pending_episodes += len(group.episodes)
+            legacy = data[:4] != b"\xff\xff\xff\xff"  # a pickle, converted just now
+            self._pending[rows.group_id] = _Spooled(
+                rows.group_id, rows.n_episodes, path, None, rows if legacy else None
+            )
+            self._pending_episodes += rows.n_episodes
         for tmp in self.spool.glob("*.tmp"):
             tmp.unlink()  # never acknowledged: put() had not returned
         spool_format.warm_up()  # before the first put() (see its docstring)
@@ -206,14 +235,14 @@ class GroupWriter:
         with self._cond:
             if group.group_id in self._pending:
                 return  # already acknowledged and waiting
-        # the store's ingest check first (logged once, here): the group kept for the commit
-        # and for on_outcome is the one spooled, as a restart reads it back
-        group = check_group(group)
-        data = spool_format.encode_checked(group)  # raises for a group the store cannot take
+        # checked and converted once (the ingest check logs here): the spool file holds the
+        # rows the commit inserts, whether this process commits them or a restart does
+        rows, group = to_arrow.checked_rows(group, utcnow())  # raises if the store cannot take it
+        data = spool_format.encode_rows(rows)
         write_durably(path, data, tmp=self.spool / f"{name}.{threading.get_ident()}.tmp")
         with self._cond:
-            self._pending[group.group_id] = (group, path)
-            self._pending_episodes += len(group.episodes)
+            self._pending[group.group_id] = _Spooled(group.group_id, rows.n_episodes, path, group)
+            self._pending_episodes += rows.n_episodes
             self._cond.notify_all()  # starts the batch's clock, or commits a full batch now
 
     def pending(self) -> int:
@@ -274,7 +303,7 @@ class GroupWriter:
 
     # ---- background thread ------------------------------------------------------------------
 
-    def _take_batch(self) -> list[tuple[GroupRecord, Path]] | None:
+    def _take_batch(self) -> list[_Spooled] | None:
         """Wait until a batch is due: ``flush_interval_s`` after the oldest waiting group came
         (or at once on a flush, a close or ``flush_max_episodes``); None when closed with
         nothing left. With nothing waiting it sleeps until :meth:`put` (or a flush, close or
@@ -301,8 +330,9 @@ class GroupWriter:
     def _run(self) -> None:
         failures = 0
         self._record_local_dead()  # dead letters a previous run could not list in the store
-        while (batch := self._take_batch()) is not None:
-            if self._commit(batch):
+        while (taken := self._take_batch()) is not None:
+            batch = self._rows_of(taken)
+            if not batch or self._commit(batch):
                 failures = 0
                 self.last_error = None
                 continue
@@ -313,12 +343,33 @@ class GroupWriter:
             time.sleep(RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S) - 1)])
             failures += 1
 
-    def _commit(self, batch: list[tuple[GroupRecord, Path]]) -> bool:
+    def _rows_of(self, taken: list[_Spooled]) -> list[_Item]:
+        """The rows of each taken group, read from its spool file. A file gone or damaged
+        under the writer: a group ``put`` by this process is converted again from memory;
+        one found at start (nothing else holds it) is quarantined, like an unreadable file."""
+        out: list[_Item] = []
+        for s in taken:
+            if s.rows is not None:
+                out.append((s, s.rows))
+                continue
+            try:
+                out.append((s, spool_format.read(s.path.read_bytes())))
+            except (OSError, spool_format.SpoolFormatError) as e:
+                if s.group is None:
+                    self._quarantine_unreadable(s.path, e)
+                    self._forget([s])
+                    continue
+                log.warning("spool file of %s unreadable (%s); committing it from memory",
+                            s.group_id, e)  # fmt: skip
+                out.append((s, to_arrow.checked_rows(s.group, utcnow())[0]))
+        return out
+
+    def _commit(self, batch: list[_Item]) -> bool:
         """Commit ``batch``; when that fails, split it and commit the halves, down to the one
         group that fails alone, which is set aside (:meth:`_set_aside`). False when the store
         itself is unavailable (nothing set aside; the caller backs off and retries)."""
         try:
-            report = self.store.write_groups_report([g for g, _ in batch])
+            report = self.store.write_groups_report([rows for _, rows in batch])
         except Exception as e:
             self.last_error = e
             if not self._store_answers():
@@ -327,9 +378,9 @@ class GroupWriter:
                 return self._set_aside(batch[0], e)
             mid = len(batch) // 2
             return self._commit(batch[:mid]) and self._commit(batch[mid:])
-        for g, path in batch:
-            self._settle(g, path, report.outcomes.get(g.group_id, WriteOutcome.REPLAYED))
-        self._forget(batch)
+        for item in batch:
+            self._settle(item, report.outcomes.get(item[0].group_id, WriteOutcome.REPLAYED))
+        self._forget([s for s, _ in batch])
         return True
 
     def _store_answers(self) -> bool:
@@ -342,18 +393,19 @@ class GroupWriter:
             return False
         return True
 
-    def _set_aside(self, item: tuple[GroupRecord, Path], error: Exception) -> bool:
+    def _set_aside(self, item: _Item, error: Exception) -> bool:
         """The group of ``item`` failed alone while the store answers: try it once more
         (a transient conflict), then move it to ``<spool>/dead/`` and ``dead_groups`` so
         that the groups behind it are committed (no poison pill)."""
-        group, path = item
+        spooled, rows = item
+        path = spooled.path
         try:
-            report = self.store.write_groups_report([group])
+            report = self.store.write_groups_report([rows])
         except Exception as again:
             error = again
         else:
-            self._settle(group, path, report.outcomes.get(group.group_id, WriteOutcome.REPLAYED))
-            self._forget([item])
+            self._settle(item, report.outcomes.get(rows.group_id, WriteOutcome.REPLAYED))
+            self._forget([spooled])
             return True
         self.dead_groups += 1
         dead_dir = self.spool / "dead"
@@ -362,22 +414,18 @@ class GroupWriter:
         message = dead_letters.short_error(error)
         if path.exists():
             path.replace(kept)
-        else:  # the file went missing: keep what the group is from memory
-            write_durably(kept, spool_format.encode_checked(group), tmp=dead_dir / "new.tmp")
+        else:  # the file went missing: keep the rows the commit had
+            write_durably(kept, spool_format.encode_rows(rows), tmp=dead_dir / "new.tmp")
         write_durably(kept.with_suffix(".error"), message.encode(), tmp=dead_dir / "err.tmp")
         _fsync_dir(self.spool)
         log.error(
             "group %s set ASIDE: the store failed on it alone (%s); the others are committed. "
             "Kept in %s and in the store's dead_groups; `sandpiper store retry-dead` "
-            "re-submits it after a fix", group.group_id, message, kept,
+            "re-submits it after a fix", rows.group_id, message, kept,
         )  # fmt: skip
         self._record_local_dead()
-        self._forget([item])
-        if self.on_outcome is not None:
-            try:
-                self.on_outcome(group, WriteOutcome.DEAD)
-            except Exception:
-                log.exception("on_outcome callback failed for %s", group.group_id)
+        self._forget([spooled])
+        self._tell(item, WriteOutcome.DEAD)
         return True
 
     def _record_local_dead(self) -> None:
@@ -387,7 +435,7 @@ class GroupWriter:
         for kept in sorted(dead_dir.glob("*.group")) if dead_dir.is_dir() else ():
             try:
                 data = kept.read_bytes()
-                group = spool_format.decode(data)
+                group = spool_format.read(data)
                 err = kept.with_suffix(".error")
                 message = err.read_text("utf-8", "replace") if err.exists() else "unknown"
                 self.store.record_dead_group(
@@ -400,14 +448,14 @@ class GroupWriter:
             kept.unlink()
             kept.with_suffix(".error").unlink(missing_ok=True)
 
-    def _forget(self, batch: list[tuple[GroupRecord, Path]]) -> None:
+    def _forget(self, settled: list[_Spooled]) -> None:
         """Drop settled groups from the pending set (their files are gone or set aside)."""
         _fsync_dir(self.spool)
         with self._cond:
-            for g, _ in batch:
-                if g.group_id in self._pending:
-                    self._pending_episodes -= len(g.episodes)
-                    del self._pending[g.group_id]
+            for s in settled:
+                if s.group_id in self._pending:
+                    self._pending_episodes -= s.n_episodes
+                    del self._pending[s.group_id]
             self._cond.notify_all()
 
     def _quarantine_unreadable(self, path: Path, error: Exception) -> None:
@@ -426,20 +474,30 @@ class GroupWriter:
             path.replace(rejected / path.name)
         return rejected
 
-    def _settle(self, group: GroupRecord, path: Path, outcome: WriteOutcome) -> None:
+    def _settle(self, item: _Item, outcome: WriteOutcome) -> None:
         """Count and report one committed group's outcome; clear (or quarantine) its file."""
+        spooled, _ = item
         if outcome is WriteOutcome.STORED:
             self.committed_groups += 1
         elif outcome is WriteOutcome.REPLAYED:
             self.replayed_groups += 1
         else:
-            rejected = self._reject(path)
+            rejected = self._reject(spooled.path)
             log.error(
-                "group %s REFUSED by the store (%s); kept in %s", group.group_id, outcome, rejected
-            )
-        path.unlink(missing_ok=True)
-        if self.on_outcome is not None:
-            try:
-                self.on_outcome(group, outcome)
-            except Exception:  # a broken callback must not stop commits
-                log.exception("on_outcome callback failed for %s", group.group_id)
+                "group %s REFUSED by the store (%s); kept in %s",
+                spooled.group_id, outcome, rejected,
+            )  # fmt: skip
+        spooled.path.unlink(missing_ok=True)
+        self._tell(item, outcome)
+
+    def _tell(self, item: _Item, outcome: WriteOutcome) -> None:
+        """``on_outcome`` of one settled group: the group as ``put`` checked it, or, for one
+        found in the spool at start, rebuilt from its rows (only here, only with a callback)."""
+        if self.on_outcome is None:
+            return
+        spooled, rows = item
+        try:
+            group = spooled.group if spooled.group is not None else spool_format.group_of(rows)
+            self.on_outcome(group, outcome)
+        except Exception:  # a broken callback must not stop commits
+            log.exception("on_outcome callback failed for %s", spooled.group_id)

@@ -18,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 
-from sandpiper.store.records import TrainGroup
+from sandpiper.store.records import MIN_VALID_EPISODES, TrainGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ class AdvantageStats:
     zero_variance_groups: int
     """Groups skipped because every valid reward was equal."""
     too_few_valid_groups: int
-    """Groups skipped because fewer than two episodes were valid."""
+    """Groups skipped because fewer than ``MIN_VALID_EPISODES`` episodes were valid."""
     invalid_episodes: int
     rewards: np.ndarray
     """float64 rewards of all valid episodes of the batch (for reward stats)."""
@@ -54,10 +54,11 @@ def group_advantages(
 ) -> np.ndarray | None:
     """Advantages of one group as float64 with NaN for invalid episodes.
 
-    Returns None when fewer than two episodes are valid or when all valid rewards are equal.
+    Returns None when fewer than ``MIN_VALID_EPISODES`` (the store's rule) episodes are
+    valid or when all valid rewards are equal.
     """
     valid = np.array(valid_G, dtype=bool) & np.array([r is not None for r in rewards_G])
-    if valid.sum() < 2:
+    if valid.sum() < MIN_VALID_EPISODES:
         return None
     rewards = np.array([r if ok else np.nan for r, ok in zip(rewards_G, valid, strict=True)])
     centred = rewards - np.nanmean(rewards)
@@ -91,7 +92,7 @@ def batch_advantages(
         if adv is not None and mode == "batch_std":
             adv = adv / (batch_spread + eps)
         if adv is None:
-            if sum(valid) < 2:
+            if sum(valid) < MIN_VALID_EPISODES:
                 too_few += 1
             else:
                 zero_variance += 1

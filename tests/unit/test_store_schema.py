@@ -172,6 +172,23 @@ def test_group_with_too_few_valid_episodes_is_invalid():
     assert to_arrow.group_status(make_group("g", n_episodes=3, n_invalid=1)) == GroupStatus.READY
 
 
+def test_the_store_and_the_learner_share_one_valid_episode_rule(monkeypatch):
+    """``MIN_VALID_EPISODES`` decides both the stored status and the learner's skip."""
+    from sandpiper.store import records
+    from sandpiper.trainer import advantages
+
+    for n in (2, 3):
+        monkeypatch.setattr(records, "MIN_VALID_EPISODES", n)
+        monkeypatch.setattr(to_arrow, "MIN_VALID_EPISODES", n)
+        monkeypatch.setattr(advantages, "MIN_VALID_EPISODES", n)
+        for n_valid in (n - 1, n):
+            g = make_group("g", n_episodes=n_valid + 1, n_invalid=1)
+            rewards = [float(i) for i in range(n_valid)] + [None]
+            adv = advantages.group_advantages(rewards, [True] * n_valid + [False])
+            status = to_arrow.group_status(g)
+            assert (status is GroupStatus.READY) == (adv is not None), (n, n_valid)
+
+
 def test_trainable_turn_without_logprobs_is_rejected():
     group = make_group("g", n_turns=2)
     bad_turn = group.episodes[0].turns[1]

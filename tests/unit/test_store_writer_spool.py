@@ -475,3 +475,128 @@ def test_spool_files_of_earlier_releases_commit(store, tmp_path, release) -> Non
         assert valid == (gid.endswith("/0") or i >= 1)
     ((n_valid,),) = _stored(store, f"SELECT n_valid FROM groups WHERE group_id = '{run}/task/1'")
     assert n_valid == 2
+
+
+# ---- one conversion per group ------------------------------------------------------------------
+
+
+def _group_ids(store: Store) -> list[str]:
+    return [gid for (gid,) in _stored(store, "SELECT group_id FROM groups ORDER BY group_id")]
+
+
+def _count_conversions(monkeypatch) -> dict[str, int]:
+    """Counts of records -> Arrow conversions and Arrow -> records rebuilds from now on."""
+    calls = {"convert": 0, "rebuild": 0}
+    convert, rebuild = to_arrow.convert_groups, spool.tables_to_group
+
+    def counted_convert(groups, now):
+        calls["convert"] += len(groups)
+        return convert(groups, now)
+
+    def counted_rebuild(tables, **kw):
+        calls["rebuild"] += 1
+        return rebuild(tables, **kw)
+
+    monkeypatch.setattr(to_arrow, "convert_groups", counted_convert)
+    monkeypatch.setattr(spool, "tables_to_group", counted_rebuild)
+    return calls
+
+
+def test_put_converts_once_and_the_commit_inserts_the_spooled_rows(store, tmp_path, monkeypatch):
+    """A group is converted once, at put; the commit (from memory or after a restart) inserts
+    the rows its spool file holds, without rebuilding a record or converting again."""
+    calls = _count_conversions(monkeypatch)
+    groups = [make_group(f"g{i}", n_episodes=3, n_turns=3, tokens_per_turn=5) for i in range(4)]
+    with store.writer(spool_dir=str(tmp_path / "a"), flush_interval_s=3600) as w:
+        for g in groups[:2]:
+            w.put(g)
+        assert calls == {"convert": 2, "rebuild": 0}
+        w.flush(timeout_s=30)
+    assert calls == {"convert": 2, "rebuild": 0}
+    # a restart: two groups put, the writer gone before its commit
+    spool_dir = tmp_path / "b"
+    w = store.writer(spool_dir=str(spool_dir), flush_interval_s=3600)
+    for g in groups[2:]:
+        w.put(g)
+    assert w.abandon() == 2
+    assert calls == {"convert": 4, "rebuild": 0}
+    with store.writer(spool_dir=str(spool_dir)) as again:
+        again.flush(timeout_s=30)
+    assert again.committed_groups == 2
+    assert calls == {"convert": 4, "rebuild": 0}
+    assert _group_ids(store) == [g.group_id for g in groups]
+    # with an on_outcome, a group read back after a restart is rebuilt for it (only then)
+    w = store.writer(spool_dir=str(spool_dir), flush_interval_s=3600)
+    told = make_group("g-told")
+    w.put(told)
+    w.abandon()
+    seen: list[GroupRecord] = []
+    with store.writer(spool_dir=str(spool_dir), on_outcome=lambda g, o: seen.append(g)) as again:
+        again.flush(timeout_s=30)
+    assert calls == {"convert": 5, "rebuild": 1}
+    assert_same(check_group(told), seen[0])
+
+
+def test_the_spooled_rows_are_the_rows_a_direct_write_stores(store, tmp_path) -> None:
+    """The same group through the writer (rows made at put, committed after a restart) and
+    through ``write_groups`` (records converted at the commit) stores the same rows."""
+    other = Store(f"duckdb:///{tmp_path / 'direct.duckdb'}")
+    other.init()
+    other.ensure_run(RunRecord("run", "{}", "test"))
+    group = rich_group("run/task/0", slot_lease=None)
+    other.write_groups([group])
+    spool_dir = tmp_path / "spool"
+    w = store.writer(spool_dir=str(spool_dir), flush_interval_s=3600)
+    w.put(group)
+    w.abandon()
+    with store.writer(spool_dir=str(spool_dir)) as again:
+        again.flush(timeout_s=30)
+    for table in schema.BULK_TABLES:
+        skip = {"committed_at", "updated_at"}
+        cols = ", ".join(c.name for c in table.c if c.name not in skip)
+        order = ", ".join(c.name for c in table.primary_key)
+        sql = f"SELECT {cols} FROM {table.name} ORDER BY {order}"
+        with other.connect_readonly() as conn:
+            want = conn.execute(sa.text(sql)).all()
+        assert _stored(store, sql) == want, table.name
+    other.close()
+
+
+def test_read_gives_the_rows_and_checks_they_are_one_group() -> None:
+    group = rich_group()
+    rows, _ = to_arrow.checked_rows(group, datetime.now(UTC))
+    back = spool.read(spool.encode_rows(rows))
+    assert (back.group_id, back.run_id, back.task_id, back.slot_lease, back.collector_id) == (
+        group.group_id, group.run_id, group.task_id, 3, group.collector_id,
+    )  # fmt: skip
+    assert back.episode_ids == {"e0", "e1", "e2"} and back.n_episodes == 3
+    for name, table in rows.tables.items():
+        assert back.tables[name].equals(table), name
+    # rows of two groups in one file are refused
+    two, _ = to_arrow.checked_tables([group, make_group("other")], datetime.now(UTC))
+    mixed = dataclasses.replace(rows, tables=two)
+    with pytest.raises(spool.SpoolFormatError, match="does not hold a whole group"):
+        spool.read(spool.encode_rows(mixed))
+    # a nullable column the file lacks (a later migration added it) is read as nulls
+    episodes = rows.tables["episodes"].drop_columns(["sandbox_id"])
+    older = dataclasses.replace(rows, tables={**rows.tables, "episodes": episodes})
+    back = spool.read(spool.encode_rows(older))
+    assert back.tables["episodes"].schema.equals(rows.tables["episodes"].schema)
+    assert back.tables["episodes"]["sandbox_id"].null_count == 3
+    # one that may not be null is refused
+    older = dataclasses.replace(
+        rows, tables={**rows.tables, "episodes": rows.tables["episodes"].drop_columns(["valid"])}
+    )
+    with pytest.raises(spool.SpoolFormatError, match="no column valid"):
+        spool.read(spool.encode_rows(older))
+
+
+def test_a_spool_file_gone_under_the_writer_commits_from_memory(store, tmp_path, caplog):
+    spool_dir = tmp_path / "spool"
+    with store.writer(spool_dir=str(spool_dir), flush_interval_s=3600) as w:
+        w.put(make_group("g-gone"))
+        (spool_dir / f"{_name('g-gone')}.group").unlink()
+        with caplog.at_level(logging.WARNING, logger="sandpiper.store.writer"):
+            w.flush(timeout_s=30)
+    assert w.committed_groups == 1 and _group_ids(store) == ["g-gone"]
+    assert any("committing it from memory" in r.getMessage() for r in caplog.records)
