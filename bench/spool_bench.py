@@ -13,7 +13,8 @@ the last line is one JSON object):
 
 - ``put_ms_p50`` / ``put_ms_mean``: wall time of one durable write (encode + fsyncs);
 - ``encode_ms_p50``: the encoding alone (CPU, no disk);
-- ``decode_ms_p50``: reading a file back into a ``GroupRecord`` (a writer's start);
+- ``decode_ms_p50``: reading a file back into a ``GroupRecord`` (``store retry-dead``; a
+  writer's start reads the rows alone: ``writer_restart_cpu_ms_per_group``);
 - ``bytes_per_group``: size of one spool file.
 
 ``ratio_put_ms_p50_<format>_vs_pickle`` and ``ratio_bytes_<format>_vs_pickle`` compare each
