@@ -151,8 +151,9 @@ def bench_writer(work: Path, n_traj: int, n_turns: int, tokens: int) -> dict:
     store.init()
     _setup_run(store)
     put_cpu, n_groups = 0.0, 0
+    # one batch of the collector's default size, committed by the flush
     with store.writer(spool_dir=str(work / "writer.spool"), flush_interval_s=3600,
-                      flush_max_episodes=10**9) as w:  # fmt: skip
+                      flush_max_episodes=BATCH_EPISODES + 1) as w:  # fmt: skip
         for groups in _batches(n_traj, n_turns, tokens, "w"):
             c0 = time.process_time()
             for g in groups:

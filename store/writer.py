@@ -157,10 +157,8 @@ class _Spooled:
     group: GroupRecord | None
     """As checked by ``put`` (for ``on_outcome``); None when found in the spool at start."""
     rows: GroupRows | None = None
-    """The rows its file holds, kept in memory while the pending groups fill no more than
-    one batch (``flush_max_episodes``: the usual case, committed without reading the file
-    back), and for a file of the release before format 1 (converted when read at start).
-    Beyond that (a backlog while the store is down, a restart) the commit reads the file."""
+    """Kept only for a file of the release before format 1 (converted when read at start);
+    the others' rows are read from their file at the commit (not held twice in memory)."""
 
 
 _Item = tuple[_Spooled, GroupRows]
@@ -243,10 +241,7 @@ class GroupWriter:
         data = spool_format.encode_rows(rows)
         write_durably(path, data, tmp=self.spool / f"{name}.{threading.get_ident()}.tmp")
         with self._cond:
-            keep = self._pending_episodes < self.flush_max_episodes  # one batch in memory
-            self._pending[group.group_id] = _Spooled(
-                group.group_id, rows.n_episodes, path, group, rows if keep else None
-            )
+            self._pending[group.group_id] = _Spooled(group.group_id, rows.n_episodes, path, group)
             self._pending_episodes += rows.n_episodes
             self._cond.notify_all()  # starts the batch's clock, or commits a full batch now
 
@@ -349,10 +344,9 @@ class GroupWriter:
             failures += 1
 
     def _rows_of(self, taken: list[_Spooled]) -> list[_Item]:
-        """The rows of each taken group: those kept in memory, or read from its spool file
-        (the same rows: ``put`` wrote them). A file gone or damaged under the writer: a group
-        ``put`` by this process is converted again from memory; one found at start (nothing
-        else holds it) is quarantined, like an unreadable file."""
+        """The rows of each taken group, read from its spool file. A file gone or damaged
+        under the writer: a group ``put`` by this process is converted again from memory;
+        one found at start (nothing else holds it) is quarantined, like an unreadable file."""
         out: list[_Item] = []
         for s in taken:
             if s.rows is not None:

@@ -562,41 +562,6 @@ def test_the_spooled_rows_are_the_rows_a_direct_write_stores(store, tmp_path) ->
     other.close()
 
 
-class _Down:
-    """``store`` as a writer sees it while the database is down."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-    def write_groups_report(self, groups):
-        raise sa.exc.OperationalError("COMMIT", {}, Exception("server down"))
-
-    def ping(self):
-        raise sa.exc.OperationalError("SELECT 1", {}, Exception("server down"))
-
-
-def test_rows_are_kept_in_memory_for_one_batch_and_read_back_beyond(store, tmp_path):
-    """The rows of the groups that fill one batch stay in memory for the commit; a backlog
-    beyond it (the store down) is read back from the spool files, and commits the same."""
-    from sandpiper.store.writer import GroupWriter
-
-    spool_dir = str(tmp_path / "spool")
-    w = GroupWriter(_Down(store), flush_interval_s=3600, flush_max_episodes=6,
-                    spool_dir=spool_dir)  # fmt: skip
-    for i in range(3):
-        w.put(make_group(f"d{i}", n_episodes=4))
-    with w._cond:
-        kept = [s.rows is not None for s in w._pending.values()]
-    assert w.abandon() == 3
-    assert kept == [True, True, False]  # 0 and 4 episodes waiting when put, then 8 >= 6
-    with store.writer(spool_dir=spool_dir) as again:
-        again.flush(timeout_s=30)
-    assert again.committed_groups == 3 and _group_ids(store) == ["d0", "d1", "d2"]
-
-
 def test_read_gives_the_rows_and_checks_they_are_one_group() -> None:
     group = rich_group()
     rows, _ = to_arrow.checked_rows(group, datetime.now(UTC))
@@ -627,13 +592,9 @@ def test_read_gives_the_rows_and_checks_they_are_one_group() -> None:
 
 
 def test_a_spool_file_gone_under_the_writer_commits_from_memory(store, tmp_path, caplog):
-    """Rows beyond one batch are not kept in memory (the commit reads them from the file):
-    if that file is gone, the group put by this process is converted again."""
     spool_dir = tmp_path / "spool"
     with store.writer(spool_dir=str(spool_dir), flush_interval_s=3600) as w:
         w.put(make_group("g-gone"))
-        with w._cond:
-            w._pending["g-gone"].rows = None  # as for a group put beyond one batch
         (spool_dir / f"{_name('g-gone')}.group").unlink()
         with caplog.at_level(logging.WARNING, logger="sandpiper.store.writer"):
             w.flush(timeout_s=30)
