@@ -188,7 +188,7 @@ PLANNER_CASES = {
     "tiny": [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)],
     "smollm2": [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)],
 }
-"""The CPU cases of the planner's validation (tests/unit/test_trainer_memory_plan.py)."""
+"""The CPU cases of the planner's validation (tests/unit/trainer/test_memory_plan.py)."""
 
 
 def planner_max_rel_error(name: str, model_dir: Path) -> float:

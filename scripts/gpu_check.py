@@ -4,7 +4,7 @@ and checkpointing equality. Prints one JSON line (an ``error`` key when a piece 
 Run by ``scripts/gpu_check.sh`` on a GPU machine (torch + transformers there; deepspeed, hjson
 and pydantic from the wheels ``scripts/gpu_wheels.sh`` puts in ``.whl/``, carried with the
 tree). ``--dry-run`` does the same on CPU with the tiny model, small enough for a unit test
-(``tests/unit/test_gpu_check.py``).
+(``tests/unit/scripts/test_gpu_check.py``).
 
 Steps:
 1. ``sandpiper.trainer.memory_probe`` in a child process: learner steps (bf16, gradient

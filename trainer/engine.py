@@ -228,7 +228,7 @@ def destroy_engine(engine: Any) -> None:
     ``parameter_offload.FWD_MODULE_STACK``, and the parameter coordinator stays a key of
     the ``functools.lru_cache`` on its ``__params_to_release`` method. Either kept the engine
     alive, and with it a gloo group whose threads then ran into the interpreter's teardown
-    (see :func:`shutdown_distributed`). ``tests/integration/test_learner_deepspeed.py``
+    (see :func:`shutdown_distributed`). ``tests/integration/trainer/test_learner_deepspeed.py``
     checks that no gloo thread is left after a 2-rank learner with ZeRO 0 and 3, so a
     DeepSpeed upgrade that adds such a reference fails there, not at random at exit."""
     engine.destroy()

@@ -13,7 +13,7 @@ sharing the GPU takes, from the model's ``config.json`` and the run's config alo
   master and moments to host memory, parameter offload (stage 3) the parameters;
 - **activations** of one micro-batch from what autograd saves in a Llama/Qwen decoder layer
   (:func:`layer_activation_bytes`, measured against ``saved_tensors_hooks`` and against peak
-  memory on CPU, see ``tests/unit/test_trainer_memory_plan.py``), with and without gradient
+  memory on CPU, see ``tests/unit/trainer/test_memory_plan.py``), with and without gradient
   checkpointing;
 - **the logprob step**: ``learner.logprob_chunk_tokens`` rows of logits at a time
   (``logprobs.selected_logprobs``), or full (tokens x vocabulary) logits for a model the

@@ -42,7 +42,7 @@ def _store() -> Any:
     from torch.distributed.distributed_c10d import _get_default_store
 
     # The process group's own rendezvous store (private in torch 2.13, stable since 1.x;
-    # tests/unit/test_trainer_ranks.py holds it to the pinned version).
+    # tests/unit/trainer/test_ranks.py holds it to the pinned version).
     return dist.PrefixStore(_PREFIX, _get_default_store())
 
 

@@ -27,7 +27,7 @@ Two settings change what is rendered (:func:`renderer_for` reads them from the c
   may not support them; the system prompt describes the protocol instead) and tool results
   return as a plain user turn (:func:`sandpiper.collector.episode.parsers.format_observation`).
 
-``tests/unit/test_render_prefix.py`` proves, for every shipped template and format, that the
+``tests/unit/collector/episode/test_render.py`` proves, for every shipped template and format, that the
 rendering of turn ``k`` is a token prefix of the rendering of turn ``k + 1``.
 """
 
@@ -279,7 +279,7 @@ class _PieceEncoder:
     ``prepend_scheme: first``), or for a tokenizer that is not a fast one:
     :meth:`for_tokenizer` returns None then. Pieces are cut where the tokenizer cuts them
     (the leftmost, longest added token), and the renderer compares both ways on renders of
-    its own template before using it (:meth:`agrees`); ``tests/unit/test_render_pieces.py``
+    its own template before using it (:meth:`agrees`); ``tests/unit/collector/episode/test_render_pieces.py``
     compares them on the shipped templates and tokenizers.
     """
 

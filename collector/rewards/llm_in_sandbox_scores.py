@@ -2,7 +2,7 @@
 
 The peer's rllm environment always scores with ``benchmark/instruct_pretrain/reward.py``,
 which routes by domain to its ``math``, ``chem`` and ``biomed`` scorers. Each function below
-reproduces one of them, decision for decision (tests/unit/test_llm_in_sandbox_reward.py
+reproduces one of them, decision for decision (tests/unit/collector/rewards/test_llm_in_sandbox_scores.py
 holds the peer's cases). :func:`sandpiper.collector.rewards.compute.compute_reward` calls
 :func:`score` for a task whose reference is ``llm_in_sandbox``; the rows themselves are read by
 :mod:`sandpiper.collector.tasks.formats.llm_in_sandbox`.

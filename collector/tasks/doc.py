@@ -1,7 +1,7 @@
 """The generated part of docs/tasks.md: reward kinds, ``task.toml`` keys and the test
 scripts' environment, read from the code (``sandpiper tasks docs --write``).
 
-The page holds the output between :data:`BEGIN` and :data:`END`; tests/unit/test_tasks_doc.py
+The page holds the output between :data:`BEGIN` and :data:`END`; tests/unit/collector/tasks/test_doc.py
 regenerates it and fails when the page is stale, and checks that the grader sets exactly the
 variables listed here and that the loader reads only the keys listed here.
 """

@@ -30,7 +30,7 @@ import sqlalchemy as sa
 
 from tests.conftest import REPO
 from tests.fixtures.sandbox import run_containers
-from tests.integration.test_store_backends import _fresh_pg_db
+from tests.integration.store.test_store import _fresh_pg_db
 
 # The first test to use the session's vLLM server pays for its start-up inside this limit.
 pytestmark = [
@@ -48,8 +48,8 @@ def store_url(postgres_url) -> str:
     """PostgreSQL, the store several hosts share. The whole system once per backend was
     3-5 minutes of duplicated processes; what differs per backend is checked on both
     elsewhere, DuckDB included: collector processes sharing a run through a kill -9
-    (test_collectors_scaleout.py), a standby learner taking over from a killed leader
-    (test_learner_resume.py), leases and claims (test_store_leases.py). docs/testing.md."""
+    (tests/integration/collector/daemon/test_core_scaleout.py), a standby learner taking over from a killed leader
+    (tests/integration/trainer/test_resume.py), leases and claims (tests/integration/store/test_leases.py). docs/testing.md."""
     return _fresh_pg_db(postgres_url)
 
 
