@@ -349,7 +349,13 @@ def main() -> None:
         "--no-memory", action="store_true",
         help="skip the memory figures (logprob, checkpointing, planner: minutes on 2 cores)",
     )  # fmt: skip
+    parser.add_argument(
+        "--memory-only", action="store_true",
+        help="only the memory figures (no timed steps: SmolLM2's bf16 step takes ~12 min here)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.memory_only and args.no_memory:
+        parser.error("--memory-only and --no-memory exclude each other")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or not variants:
@@ -358,7 +364,9 @@ def main() -> None:
     groups = args.groups or (2 if real else 8)
     group_size = args.group_size or (4 if real else 8)
     repeats = args.repeats or (2 if real else 5)
-    if len(variants) == 1:
+    if args.memory_only:
+        result: dict = {"model": args.model}
+    elif len(variants) == 1:
         result = {"model": args.model, **run_variant(args, variants[0], groups, group_size,
                                                      repeats)}  # fmt: skip
     else:
