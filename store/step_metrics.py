@@ -77,6 +77,8 @@ class StepMetrics:
     train_s: float | None = _metric("perf/train_s")
     step_s: float | None = _metric("perf/step_s")
     tokens_per_s: float | None = _metric("perf/tokens_per_s")
+    torch_threads: float | None = _metric("perf/torch_threads")
+    """Torch threads the step ran with (``learner.torch_threads = "auto"`` only)."""
     # the version's folder as written (trainer.learner.Learner._commit)
     checkpoint_bytes: float | None = _metric("checkpoint/bytes")
     """Every file of the version's folder: the weights, plus the training state when due."""

@@ -66,6 +66,7 @@ from sandpiper.trainer.loss import LossConfig, LossStats, grpo_loss
 from sandpiper.trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
 from sandpiper.trainer.packing import MicroBatch, TrainSequence, packed_logprobs
 from sandpiper.trainer.retention import RetentionPolicy, prune_checkpoints
+from sandpiper.trainer.threads import FollowIdleCores
 from sandpiper.trainer.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,11 @@ class Learner:
         self.learner_id = broadcast_from_main(new_learner_id() if world.is_main else None, world)
         self.loss_cfg = LossConfig.from_learner(self.lc)
         torch.manual_seed(cfg.seed)
+        self.cores: FollowIdleCores | None = None
+        if self.lc.torch_threads == "auto":
+            self.cores = FollowIdleCores()
+        elif self.lc.torch_threads is not None:
+            torch.set_num_threads(self.lc.torch_threads)
         self.fence = wait_for_leadership(
             store, run_id=self.run_id, learner_id=self.learner_id,
             lease_s=self.lc.leader_lease_s, world=world,
@@ -420,10 +426,14 @@ class Learner:
                 build_minibatch(mb, learner_cfg=self.lc, world=self.world)
                 for mb in split_minibatches(seqs, self.lc.minibatches)
             ]
+            if self.cores is not None:
+                metrics.torch_threads = float(self.cores.begin())
             result = optimise(
                 self.engine, minibatches, self._grpo_loss, epochs=self.lc.epochs,
                 logprob_chunk_tokens=self.lc.logprob_chunk_tokens,
             )  # fmt: skip
+            if self.cores is not None:
+                self.cores.end()
             metrics.update(reduce_stats(result.stats, self.world).summary())
             metrics.grad_norm = result.grad_norm
             metrics.optimizer_steps = result.optimizer_steps

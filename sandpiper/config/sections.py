@@ -470,6 +470,11 @@ class LearnerConfig(_Part):
     """Loss tokens whose logits are computed at a time (the output layer runs on chunks of
     this many selected hidden states; see docs/learner.md): peak logit memory is this times
     the vocabulary, not tokens times the vocabulary."""
+    torch_threads: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] | None = None
+    """Torch's intra-op threads per rank. None: as the process started (``OMP_NUM_THREADS``);
+    a number: that many; ``auto``: before each step, the cores the other processes left idle
+    during the previous one plus those this rank kept busy (``trainer/threads.py``), for a
+    learner sharing its machine with the collector."""
     claim_lease_s: float = Field(default=600.0, gt=0)
     """A claimed batch returns to the pool if its learner registers nothing for this long
     (a learner killed mid-step frees its groups after this lease)."""

@@ -4,6 +4,7 @@ published in."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -187,3 +188,27 @@ def test_a_version_is_published_in_the_training_dtype(
     written = f"{metrics['checkpoint/bytes'] / 1e6:,.1f} MB written ("
     assert f"{written}{str(dtype).removeprefix('torch.')} weights" in caplog.text
     learner.close()
+
+
+def test_auto_threads_follow_the_idle_cores_step_by_step(tmp_path, learner_tiny_model, world):
+    """``torch_threads = "auto"``: the first step keeps the start-up count, the next one takes
+    what the first step measured (1 or 2 on this machine, whatever else runs), and both are
+    in the step's metrics."""
+    from sandpiper.trainer.learner import Learner
+
+    start = torch.get_num_threads()
+    cfg = make_config(tmp_path, learner_tiny_model, torch_threads="auto", lr=1e-3)
+    store = MemoryStore()
+    learner = Learner(cfg.for_learner(), store, world)
+    try:
+        seen = []
+        for step in range(2):
+            store.write_groups(_groups(learner.engine.module, 2, version=step, start=2 * step))
+            batch = store.claims.claim(run_id="lt", learner_id="x", n_groups=2, max_lag=100)
+            seen.append(learner.train_step(batch)["perf/torch_threads"])
+        assert seen[0] == start
+        assert 1 <= seen[1] <= len(os.sched_getaffinity(0))
+        assert torch.get_num_threads() == seen[1]  # applied before the second step
+    finally:
+        learner.close()
+        torch.set_num_threads(start)
