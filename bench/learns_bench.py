@@ -41,7 +41,6 @@ import json
 import math
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -58,31 +57,19 @@ from race_setup import (  # noqa: E402  (bench scripts import their siblings)
     PEER_COMPUTE_COMMAND,
     PEER_PROBLEM,
     RaceSettings,
+    import_reasoning_gym,
     model_hash,
     prepare_suite,
     task_ids,
 )
+from race_stats import Z95, t_interval, wilson  # noqa: E402  (one copy, also the race's)
 
 from sandpiper.errors import SandpiperError  # noqa: E402
-
-Z95 = 1.959963984540054
-"""The standard normal quantile of 0.975: two-sided 95 % intervals."""
 
 SEED = 0
 
 
 # --- intervals (pure) --------------------------------------------------------------------
-
-
-def wilson(passes: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval for ``passes`` of ``n`` (Newcombe 1998, method 3)."""
-    if n <= 0 or not 0 <= passes <= n:
-        raise ValueError(f"need 0 <= passes <= n and n > 0, got {passes}/{n}")
-    p = passes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def newcombe_difference(
@@ -110,19 +97,6 @@ def mcnemar_exact_p(only_a: int, only_b: int) -> float:
     k = min(only_a, only_b)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
     return min(1.0, 2 * tail)
-
-
-def t_interval(values: list[float]) -> tuple[float, float, float]:
-    """(mean, lower, upper): the 95 % Student-t interval of the mean of ``values``."""
-    from scipy import stats
-
-    n = len(values)
-    if n < 2:
-        raise ValueError(f"need at least two values for an interval, got {n}")
-    mean = sum(values) / n
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
-    return mean, mean - half, mean + half
 
 
 def passed(score: float | bool) -> bool:
@@ -214,21 +188,7 @@ def prepare(suite: Suite, settings: RaceSettings, root: Path) -> tuple[Path, Pat
     """(train tasks, held-out tasks) of ``suite`` under ``root`` (idempotent)."""
     if suite.name == "peer":
         return prepare_suite(settings, root)
-    train, heldout = root / "train" / "tasks.jsonl", root / "heldout" / "tasks.jsonl"
-    if train.is_file() and heldout.is_file():
-        return train, heldout
-    imported = root / "imported"
-    family = suite.name.split(":", 1)[1]
-    cmd = [sys.executable, "-m", "sandpiper.cli", "tasks", "import", f"reasoning-gym:{family}",
-           "--size", str(settings.train_tasks), "--seed", str(settings.seed),
-           "--validation-size", str(settings.heldout_tasks), "--out", str(imported)]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=REPO)
-    rows = [json.loads(line) for line in (imported / "tasks.jsonl").read_text().splitlines()]
-    for path, split in ((train, "train"), (heldout, "validation")):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        chosen = [row for row in rows if row["split"] == split]
-        path.write_text("".join(json.dumps(row) + "\n" for row in chosen))
-    return train, heldout
+    return import_reasoning_gym(suite.name.split(":", 1)[1], settings, root)
 
 
 def base_config(runs_dir: Path, name: str, tasks: Path, model: Path) -> Any:

@@ -1,6 +1,8 @@
 """The race: which system makes the model better per hour on this machine, Sandpiper or TRL?
 
-    python bench/race_bench.py [--minutes 10] [--model tiny|smollm2] [--suite sum|peer]
+    python bench/race_bench.py [--minutes 10] [--model tiny|smollm2]
+                               [--suite sum|peer|reasoning-gym:FAMILY] [--seeds 2]
+                               [--eval-marks N] [--sandpiper-set KEY=VALUE ...]
                                [--only trl|sandpiper|eval] [--json]
 
 Both sides start from the same checkpoint (its hash is printed), train on the same tasks for
@@ -14,18 +16,24 @@ at the same wall-clock marks:
   same podman sandboxes through Sandpiper's sandbox runtime (bench/race_trl.py).
 
 Every shared setting comes from one ``RaceSettings`` (bench/race_setup.py); the two configs
-are printed side by side and the run refuses to start if any differs. The start checkpoint
-is the demo's SFT warm start (tiny model; cached under the runs folder) or SmolLM2 with the
-tool-calling chat template. Results: ``race.json`` and ``race.png`` (eval reward against
-wall-clock time), ``time_to_match_ratio`` (TRL's time to its best eval reward / Sandpiper's
-time to reach the same; < 1 when Sandpiper never reaches it, said so), and each side's
-``samples_per_hour`` and ``learner_tokens_per_s``. See docs/race.md.
+are printed side by side and the run refuses to start if any differs (for every seed). Each
+side runs once per seed (``--seeds``: sampling seed and data order, the same on both sides;
+tasks and start checkpoint are shared), in ``<runs>/<model>-<suite>/seed<k>/``. The start
+checkpoint is the demo's SFT warm start (tiny model; cached under the runs folder) or SmolLM2
+with the tool-calling chat template. ``--sandpiper-set`` changes a lever of Sandpiper's config
+(refused for anything the fairness check compares). Results (bench/race_report.py):
+``race.json`` and ``race.png`` (eval reward against wall-clock time, each point with its 95 %
+interval), ``time_to_match_ratio`` per seed (TRL's time to its best eval reward / Sandpiper's
+time to reach the same) and its median and range over seeds, each side's
+``samples_per_hour``, ``learner_tokens_per_s`` and CPU-seconds profile (bench/race_profile.py).
+See docs/race.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -41,10 +49,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from race_eval import _free_port  # noqa: E402  (bench scripts import their siblings)
-from race_setup import (  # noqa: E402  (bench scripts import their siblings)
+from race_profile import CpuSampler, sandpiper_role, shares, trl_role, trl_split  # noqa: E402
+from race_report import SIDES, evaluate, flat_summary, report  # noqa: E402
+from race_setup import (  # noqa: E402
     CANONICAL_TOOL_LINE,
     PEER_COMPUTE_COMMAND,
     PEER_PROBLEM,
+    RG_PREFIX,
     TRL_GENERATION_PATHS,
     RaceSettings,
     canonical_tool_template,
@@ -52,14 +63,13 @@ from race_setup import (  # noqa: E402  (bench scripts import their siblings)
     fairness_rows,
     model_hash,
     prepare_suite,
+    refuse_shared_overrides,
     sandpiper_config,
     side_by_side,
     task_ids,
     trl_config,
+    with_overrides,
 )
-
-SIDES = ("trl", "sandpiper")
-
 
 # --- start checkpoint --------------------------------------------------------------------
 
@@ -113,10 +123,28 @@ def sft_warm_start(settings: RaceSettings, root: Path, train: Path) -> str:
     sft.learner.algo, sft.learner.checkpoint_retention = "sft", True
     for key, value in demo.SFT_LEARNER.items():
         setattr(sft.learner, key, value)
-    peer = {"instruction": PEER_PROBLEM, "compute_command": PEER_COMPUTE_COMMAND}
-    family = peer if settings.suite == "peer" else {}
-    demo.collect_demonstrations(sft, compute_fraction=COMPUTE_FRACTION, **family)
+    demo.collect_demonstrations(sft, compute_fraction=COMPUTE_FRACTION, **teacher(settings.suite))
     return demo.run_sft(sft, root / "warmstart.log")
+
+
+def teacher(suite: str) -> dict[str, Any]:
+    """The warm start's teacher for the suite (``instruction``, ``compute_command``)."""
+    if suite == "peer":
+        return {"instruction": PEER_PROBLEM, "compute_command": PEER_COMPUTE_COMMAND}
+    if suite.startswith(RG_PREFIX):
+        from learns_bench import SUITES
+
+        if suite not in SUITES:
+            raise ValueError(f"no scripted teacher for {suite}: give --start CHECKPOINT (or "
+                             f"--model smollm2), or use {RG_PREFIX}products")  # fmt: skip
+        family = SUITES[suite]
+        return {"instruction": family.instruction, "compute_command": family.compute_command}
+    return {}
+
+
+def cores() -> int:
+    """The cores this process may run on (what each side's profile divides)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # --- the two sides -----------------------------------------------------------------------
@@ -127,8 +155,14 @@ def run_sandpiper(cfg: Any, settings: RaceSettings, out: Path) -> dict[str, Any]
     from sandpiper.demo import run as demo
 
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    budget_s = settings.minutes * 60
+    sampler = CpuSampler(os.getpid(), sandpiper_role, run_label=cfg.name, budget_s=budget_s)
     t0 = time.time()
-    demo.run_grpo(cfg, minutes=settings.minutes, on_tick=lambda: None)
+    sampler.start()
+    try:
+        demo.run_grpo(cfg, minutes=settings.minutes, on_tick=lambda: None)
+    finally:
+        cpu = sampler.stop()
     wall_s = time.time() - t0
     from sqlalchemy import text
 
@@ -154,6 +188,8 @@ def run_sandpiper(cfg: Any, settings: RaceSettings, out: Path) -> dict[str, Any]
         "learner_tokens": tokens,
         "learner_train_s": train_s,
         "versions": versions,
+        "cpu_s": cpu,
+        "cpu_profile": shares(cpu["by_role_s"], cores=cores(), wall_s=cpu["wall_s"]),
     }
 
 
@@ -200,7 +236,10 @@ def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str
     env.setdefault(
         "VLLM_CPU_KVCACHE_SPACE", str(spec["sandpiper_config"]["inference"]["kv_cache_gib"])
     )
+    label = spec["sandpiper_config"]["name"]  # its sandbox containers' ``sandpiper.run``
+    sampler = CpuSampler(os.getpid(), trl_role, run_label=label, budget_s=spec["budget_s"])
     with (out / "trl.log").open("ab") as log:
+        sampler.start()
         proc = subprocess.Popen([spec["python"], str(REPO / "bench" / "race_trl.py"), str(spec_path)],
                                 stdout=log, stderr=log, env=env, start_new_session=True)  # fmt: skip
         try:
@@ -208,6 +247,8 @@ def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             rc = proc.wait()
+        finally:
+            cpu = sampler.stop()
     wall_s = time.time() - t0
     if rc != 0:
         raise RuntimeError(f"the TRL side failed (exit {rc}); see {out / 'trl.log'}")
@@ -232,56 +273,8 @@ def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str
         "learner_train_s": sum(r["train_s"] for r in done),
         "generate_s": sum(r["generate_s"] for r in done),
         "steps_log": log_rows,
-    }
-
-
-# --- figures -----------------------------------------------------------------------------
-
-
-def time_to_match(curves: dict[str, list[dict[str, Any]]], budget_s: float) -> dict[str, Any]:
-    """TRL's time to its best eval reward / Sandpiper's time to reach the same reward."""
-    trl, sp = curves["trl"], curves["sandpiper"]
-    best = max(p["reward"] for p in trl)
-    t_trl = min(p["t_s"] for p in trl if p["reward"] >= best)
-    if t_trl == 0:
-        return {"time_to_match_ratio": None, "trl_best_reward": best,
-                "note": "TRL never beat the start checkpoint's eval reward: nothing to match"}  # fmt: skip
-    reached = [p["t_s"] for p in sp if p["reward"] >= best]
-    if not reached:
-        return {"time_to_match_ratio": t_trl / budget_s, "ratio_is_upper_bound": True,
-                "trl_best_reward": best, "trl_time_s": t_trl,
-                "note": "Sandpiper never reached TRL's best eval reward within the budget: "
-                        "the ratio is below this bound (< 1)"}  # fmt: skip
-    t_sp = min(reached)
-    return {"time_to_match_ratio": t_trl / max(t_sp, 1e-9), "ratio_is_upper_bound": False,
-            "trl_best_reward": best, "trl_time_s": t_trl, "sandpiper_time_s": t_sp}  # fmt: skip
-
-
-def plot(curves: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for side, points in curves.items():
-        ax.plot([p["t_s"] / 60 for p in points], [p["reward"] for p in points], marker="o",
-                label=side)  # fmt: skip
-    ax.set_xlabel("wall-clock minutes of training")
-    ax.set_ylabel("held-out eval reward")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def throughput(result: dict[str, Any], budget_s: float) -> dict[str, float]:
-    return {
-        "samples_per_hour": result["samples"] / budget_s * 3600,
-        "learner_tokens_per_s": result["learner_tokens"] / max(result["learner_train_s"], 1e-9),
-        "steps": result["steps"],
+        "cpu_s": cpu,
+        "cpu_profile": shares(trl_split(cpu, done), cores=cores(), wall_s=cpu["wall_s"]),
     }
 
 
@@ -292,11 +285,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=10.0, help="training budget per side")
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
-    p.add_argument("--suite", choices=("sum", "peer"), default="sum")
+    p.add_argument("--suite", default="sum",
+                   help="sum, peer, or reasoning-gym:FAMILY (imported by name; "
+                        "reasoning-gym:products is the one with a scripted teacher)")  # fmt: skip
+    p.add_argument("--seeds", type=int, default=2,
+                   help="runs per side, seeds 0..N-1 (sampling and data order on both sides)")  # fmt: skip
     p.add_argument("--only", choices=(*SIDES, "eval"),
-                   help="rerun one side, or neither ('eval'), keeping the other results; "
-                        "the evaluation always runs again")  # fmt: skip
-    p.add_argument("--eval-marks", type=int, default=5, help="evaluation points after the start")
+                   help="rerun one side (every seed), or neither ('eval'), keeping the other "
+                        "results; the evaluation always runs again")  # fmt: skip
+    p.add_argument("--eval-marks", type=int, default=None,
+                   help="evaluation points after the start (default: one a minute, "
+                        "ceil(minutes))")  # fmt: skip
+    p.add_argument("--sandpiper-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a lever of Sandpiper's config (learner.max_lag=3), repeatable; "
+                        "refused when it changes a setting both sides share")  # fmt: skip
     p.add_argument("--train-tasks", type=int, default=RaceSettings().train_tasks)
     p.add_argument("--heldout-tasks", type=int, default=RaceSettings().heldout_tasks)
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "race")
@@ -315,7 +317,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "support)")  # fmt: skip
     p.add_argument("--check-only", action="store_true", help="prepare, print both configs, stop")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error("--seeds must be at least 1")
+    if args.eval_marks is None:
+        args.eval_marks = max(1, math.ceil(args.minutes))
+    return args
+
+
+def settings_of(args: argparse.Namespace) -> RaceSettings:
+    """The shared settings of the options (seed 0: each seed's run replaces it)."""
+    settings = RaceSettings(model=args.model, suite=args.suite, minutes=args.minutes,
+                            eval_marks=args.eval_marks, train_tasks=args.train_tasks,
+                            heldout_tasks=args.heldout_tasks)  # fmt: skip
+    if args.model == "smollm2":
+        settings = replace(settings, lr=2e-6, group_size=4, groups_per_step=2,
+                           max_tokens_per_turn=96, max_episode_tokens=192)  # fmt: skip
+    return settings
+
+
+def suite_root(runs_dir: Path, settings: RaceSettings) -> Path:
+    """``<runs>/<model>-<suite>`` (``reasoning-gym:products`` as ``reasoning-gym-products``)."""
+    return runs_dir / f"{settings.model}-{settings.suite.replace(':', '-')}"
 
 
 def trl_runtime(args: argparse.Namespace, root: Path) -> tuple[str, str]:
@@ -331,120 +354,90 @@ def trl_runtime(args: argparse.Namespace, root: Path) -> tuple[str, str]:
     return python, generation
 
 
+def seed_configs(
+    settings: RaceSettings, root: Path, start: Path, train: Path, *, seed: int,
+    generation: str, overrides: list[str],
+) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """Both configs of one seed's run, in ``root/seed<k>``; printed side by side, refused
+    when unfair or when an override touches a shared setting."""
+    run = replace(settings, seed=seed)
+    folder = root / f"seed{seed}"
+    sp = sandpiper_config(run, start=start, tasks=train, runs_dir=folder, name="race-sandpiper")
+    trl = trl_config(run, output_dir=folder / "trl", generation=generation)
+    ids, start_hash = task_ids(train), model_hash(start)
+
+    def rows(cfg: Any) -> list[Any]:
+        return fairness_rows(cfg, trl, sp_task_ids=task_ids(Path(cfg.collector.tasks)),
+                             trl_task_ids=ids, sp_model_hash=model_hash(cfg.learner.model),
+                             trl_model_hash=start_hash)  # fmt: skip
+
+    before = rows(sp)
+    sp = with_overrides(sp, overrides)
+    after = rows(sp)
+    refuse_shared_overrides(before, after, overrides)
+    print(f"--- seed {seed}\n{side_by_side(after)}", flush=True)
+    check_fair(after)
+    return sp, trl
+
+
 def build(
-    settings: RaceSettings, root: Path, start: Path | None = None, generation: str = "transformers"
-) -> tuple[Any, dict[str, Any], Path, Path, Path]:
-    """Suite, start checkpoint and both configs; prints them side by side; refuses unfair."""
+    settings: RaceSettings, root: Path, start: Path | None = None,
+    generation: str = "transformers", seeds: int = 1, overrides: list[str] | None = None,
+) -> tuple[dict[int, tuple[Any, dict[str, Any]]], Path, Path, Path]:  # fmt: skip
+    """Suite, start checkpoint (both made with ``task_seed``, shared by every seed) and each
+    seed's two configs; prints them side by side; refuses an unfair race."""
     train, heldout = prepare_suite(settings, root / "tasks")
-    start = start_checkpoint(settings, root, train, start)
-    sp = sandpiper_config(settings, start=start, tasks=train, runs_dir=root, name="race-sandpiper")
-    trl = trl_config(settings, output_dir=root / "trl", generation=generation)
-    rows = fairness_rows(sp, trl, sp_task_ids=task_ids(Path(sp.collector.tasks)),
-                         trl_task_ids=task_ids(train), sp_model_hash=model_hash(sp.learner.model),
-                         trl_model_hash=model_hash(start))  # fmt: skip
+    made_with = replace(settings, seed=settings.task_seed)
+    start = start_checkpoint(made_with, root, train, start)
     print(f"start checkpoint {start} sha256 {model_hash(start)}")
-    print(side_by_side(rows), flush=True)
     print(f"TRL generates with: {generation}", flush=True)
-    check_fair(rows)
-    return sp, trl, start, train, heldout
+    configs = {k: seed_configs(settings, root, start, train, seed=k, generation=generation,
+                               overrides=overrides or []) for k in range(seeds)}  # fmt: skip
+    return configs, start, train, heldout
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    settings = RaceSettings(model=args.model, suite=args.suite, minutes=args.minutes,
-                            eval_marks=args.eval_marks, train_tasks=args.train_tasks,
-                            heldout_tasks=args.heldout_tasks)  # fmt: skip
-    if args.model == "smollm2":
-        settings = replace(settings, lr=2e-6, group_size=4, groups_per_step=2,
-                           max_tokens_per_turn=96, max_episode_tokens=192)  # fmt: skip
-    root = args.runs_dir / f"{args.model}-{args.suite}"
+    settings = settings_of(args)
+    root = suite_root(args.runs_dir, settings)
     root.mkdir(parents=True, exist_ok=True)
     trl_python, generation = trl_runtime(args, root)
-    sp_cfg, trl_cfg, start, train, heldout = build(settings, root, args.start, generation)
+    configs, start, train, heldout = build(settings, root, args.start, generation, args.seeds,
+                                           args.sandpiper_set)  # fmt: skip
     if args.check_only:
         return {}
     budget_s = settings.minutes * 60
     marks = [budget_s * k / settings.eval_marks for k in range(1, settings.eval_marks + 1)]
     out = args.out or root / "race.json"
     previous = json.loads(out.read_text()) if out.is_file() else {}
-    sides: dict[str, Any] = dict(previous.get("sides", {}))
-    for side in SIDES:
-        if args.only and side != args.only:
-            continue
-        print(f"--- {side}: {settings.minutes:g} min", flush=True)
-        if side == "trl":
-            sp_dict = json.loads(sp_cfg.model_dump_json())
-            spec = {"settings": settings.as_dict(), "start": str(start), "train_tasks": str(train),
-                    "out_dir": str(root / "trl"), "trl_config": trl_cfg, "budget_s": budget_s,
-                    "marks_s": marks, "seed": settings.seed, "sandpiper_config": sp_dict,
-                    "python": str(trl_python), "generation": generation,
-                    "pool_size": max(settings.samples_per_step, sp_cfg.sandbox.pool_size)}  # fmt: skip
-            sides["trl"] = run_trl(spec, root / "trl", settings)
-        else:
-            sides["sandpiper"] = run_sandpiper(sp_cfg, settings, root)
-    result = evaluate_and_report(settings, sides, sp_cfg, start, heldout, root, marks)
+    seeds: dict[str, dict[str, Any]] = {}
+    for k, (sp_cfg, trl_cfg) in configs.items():
+        run = replace(settings, seed=k)
+        folder = root / f"seed{k}"
+        sides = dict(previous.get("seeds", {}).get(str(k), {}).get("sides", {}))
+        for side in SIDES:
+            if args.only and side != args.only:
+                continue
+            print(f"--- seed {k}, {side}: {settings.minutes:g} min", flush=True)
+            if side == "trl":
+                sp_dict = json.loads(sp_cfg.model_dump_json())
+                spec = {"settings": run.as_dict(), "start": str(start), "train_tasks": str(train),
+                        "out_dir": str(folder / "trl"), "trl_config": trl_cfg,
+                        "budget_s": budget_s, "marks_s": marks, "seed": k,
+                        "sandpiper_config": sp_dict, "python": str(trl_python),
+                        "generation": generation,
+                        "pool_size": max(run.samples_per_step, sp_cfg.sandbox.pool_size)}  # fmt: skip
+                sides["trl"] = run_trl(spec, folder / "trl", run)
+            else:
+                sides["sandpiper"] = run_sandpiper(sp_cfg, run, folder)
+        seeds[str(k)] = {"sides": sides}
+    curves = evaluate(settings, seeds, configs[0][0], start, heldout, root, marks)
+    result = report(settings, seeds, curves, start, root, args.sandpiper_set)
     out.write_text(json.dumps(result, indent=1, default=str))
-    print(json.dumps(result["summary"], indent=1))
+    print(json.dumps(result["summary"], indent=1, default=str))
     if args.json:
         print(json.dumps(flat_summary(result["summary"]), default=str))
     return result
-
-
-def flat_summary(summary: dict[str, Any]) -> dict[str, Any]:
-    """The summary with each side's figures as top-level ``<side>_<figure>`` keys (what
-    ``bench/report.py --append`` records)."""
-    flat = {k: v for k, v in summary.items() if not isinstance(v, dict)}
-    for side in SIDES:
-        for key, value in summary.get(side, {}).items():
-            flat[f"{side}_{key}"] = value
-    return flat
-
-
-def checkpoints_of(side: str, result: dict[str, Any]) -> list[Any]:
-    from race_eval import Checkpoint
-
-    if side == "sandpiper":
-        return [Checkpoint(side, v["checkpoint"], v["t_s"], f"sandpiper-v{v['version']}")
-                for v in result["versions"]]  # fmt: skip
-    return [Checkpoint(side, r["checkpoint"], r["checkpoint_t_s"], f"trl-step{r['step']}")
-            for r in result["steps_log"] if "checkpoint" in r]  # fmt: skip
-
-
-def evaluate_and_report(settings: RaceSettings, sides: dict[str, Any], sp_cfg: Any, start: Path,
-                        heldout: Path, root: Path, marks: list[float]) -> dict[str, Any]:  # fmt: skip
-    from race_eval import Checkpoint, Harness, at_marks
-
-    budget_s = settings.minutes * 60
-    start_ckpt = Checkpoint("start", str(start), 0.0, "start")
-    curves: dict[str, list[dict[str, Any]]] = {}
-    with Harness(sp_cfg, start=start, heldout=heldout, out=root / "eval",
-                 samples=settings.eval_samples_per_task) as harness:  # fmt: skip
-        start_eval = harness.evaluate(start_ckpt)
-        for side, result in sides.items():
-            chosen = at_marks(checkpoints_of(side, result), marks, start_ckpt)
-            points = [{"t_s": 0.0, **start_eval}]
-            points += [{"t_s": m, "checkpoint_t_s": c.t_s, **harness.evaluate(c)}
-                       for m, c in zip(marks, chosen, strict=True)]  # fmt: skip
-            curves[side] = points
-    summary: dict[str, Any] = {
-        "model": settings.model, "suite": settings.suite, "minutes_per_side": settings.minutes,
-        "start_sha256": model_hash(start), "heldout_tasks": settings.heldout_tasks,
-        "eval_samples_per_checkpoint": settings.heldout_tasks * settings.eval_samples_per_task,
-        "eval_reward_start": curves[next(iter(curves))][0]["reward"] if curves else None,
-        "trl_generation_path": sides.get("trl", {}).get("generation_path"),
-    }  # fmt: skip
-    for side, points in curves.items():
-        summary[side] = {**throughput(sides[side], budget_s),
-                         "final_eval_reward": points[-1]["reward"],
-                         "best_eval_reward": max(p["reward"] for p in points)}  # fmt: skip
-    if set(curves) == set(SIDES):
-        summary.update(time_to_match(curves, budget_s))
-    png = root / "race.png"
-    title = f"{settings.model} / {settings.suite}: {settings.minutes:g} min per side, one CPU host"
-    if curves:
-        plot(curves, png, title)
-    return {"summary": summary, "curves": curves, "settings": settings.as_dict(), "sides": sides,
-            "figure": str(png)}  # fmt: skip
 
 
 if __name__ == "__main__":

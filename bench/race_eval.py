@@ -61,8 +61,9 @@ def run_eval(cfg: Any, *, endpoint: str, model: str, log_path: Path) -> None:
         raise RuntimeError(f"sandpiper collect --eval failed; see {log_path}")
 
 
-def eval_reward(store_url: str, run_id: str) -> dict[str, float | int]:
-    """Mean reward and pass rate (reward >= 1) over the valid episodes of one eval run."""
+def eval_reward(store_url: str, run_id: str) -> dict[str, Any]:
+    """Mean reward and pass rate (reward >= 1) over the valid episodes of one eval run, and
+    their rewards (each point's interval is computed from them)."""
     from sandpiper.analysis import api
 
     frame = api.episodes(store_url, run_id=run_id)
@@ -74,6 +75,7 @@ def eval_reward(store_url: str, run_id: str) -> dict[str, float | int]:
         "pass_rate": sum(r >= 1.0 for r in rewards) / n if n else float("nan"),
         "n_valid": n,
         "n_episodes": frame.height,
+        "rewards": [float(r) for r in rewards],
     }
 
 

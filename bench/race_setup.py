@@ -8,10 +8,13 @@ those values, and :func:`fairness_rows` reads them back *from the two configs* (
 settings) and refuses a race where any differs: task ids, start checkpoint hash, sampling,
 optimiser and limits.
 
-The task suites: ``sum`` (the demo's task: add up the numbers in ``numbers.txt``) and
-``peer`` (the same family written as LLM-in-Sandbox-RL rows, the peer's own schema, imported
-unchanged with ``sandpiper tasks import``). Held-out tasks come from another seed and other
-ids; no side ever trains on them.
+The task suites: ``sum`` (the demo's task: add up the numbers in ``numbers.txt``), ``peer``
+(the same family written as LLM-in-Sandbox-RL rows, the peer's own schema, imported
+unchanged with ``sandpiper tasks import``) and ``reasoning-gym:FAMILY`` (a reasoning-gym
+dataset imported by name, ``sandpiper tasks import reasoning-gym:FAMILY``, scored by the
+family's own scorer). Held-out tasks come from another seed and other ids; no side ever
+trains on them. The tasks and the start checkpoint are the same for every race seed
+(``task_seed``); ``seed`` varies sampling and data order on both sides.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 MODELS = {"tiny": REPO / "runs" / "tiny-model", "smollm2": REPO / "runs" / "smollm2-135m"}
 SUITES = ("sum", "peer")
+RG_PREFIX = "reasoning-gym:"
+"""``--suite reasoning-gym:FAMILY``: the family imported by name (as bench/learns_bench.py)."""
+DEFAULT_RG_FAMILY = "products"
+"""Multiplying two numbers of up to five digits: a 135 M model cannot do it in its head,
+``python3 -c 'print(A * B)'`` in the sandbox can (headroom only for an agent that computes;
+bench/learns_bench.py measured SmolLM2 at 0.27 before and 0.77 after 30 minutes of GRPO)."""
 HELDOUT_SEED_OFFSET = 1_000_003
 """Held-out tasks are drawn with ``seed + this``: other numbers, other ids."""
 
@@ -58,15 +67,22 @@ class RaceSettings:
     train_tasks: int = 96
     heldout_tasks: int = 24
     eval_samples_per_task: int = 2
-    eval_marks: int = 5
-    """Evaluation points per side after the start (evenly spread over the budget)."""
+    eval_marks: int = 10
+    """Evaluation points per side after the start (evenly spread over the budget; the
+    bench's default is one a minute)."""
     seed: int = 0
+    """The run's seed: sampling and data order on both sides (one race per seed)."""
+    task_seed: int = 0
+    """Seed of the tasks (and the warm start), the same for every race seed."""
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, not {self.model!r}")
-        if self.suite not in SUITES:
-            raise ValueError(f"suite must be one of {', '.join(SUITES)}, not {self.suite!r}")
+        family = self.suite.removeprefix(RG_PREFIX)
+        if self.suite not in SUITES and not (self.suite.startswith(RG_PREFIX) and family):
+            raise ValueError(
+                f"suite must be one of {', '.join(SUITES)} or {RG_PREFIX}FAMILY, not {self.suite!r}"
+            )
         if self.minutes <= 0 or self.group_size < 2 or self.groups_per_step < 1:
             raise ValueError("minutes > 0, group_size >= 2 and groups_per_step >= 1 are needed")
 
@@ -202,17 +218,42 @@ def import_peer_rows(rows: list[dict[str, Any]], out_dir: Path) -> None:
 
 def prepare_suite(settings: RaceSettings, root: Path) -> tuple[Path, Path]:
     """Write (train tasks, held-out tasks) for the suite under ``root`` (idempotent)."""
+    if settings.suite.startswith(RG_PREFIX):
+        return import_reasoning_gym(settings.suite.removeprefix(RG_PREFIX), settings, root)
     train, heldout = root / "train", root / "heldout"
     if (train.is_dir() and any(train.iterdir())) and (heldout.is_dir() and any(heldout.iterdir())):
         return train, heldout
-    seed_h = settings.seed + HELDOUT_SEED_OFFSET
+    seed_h = settings.task_seed + HELDOUT_SEED_OFFSET
     if settings.suite == "sum":
-        write_sum_tasks(train, "sum-train", settings.train_tasks, settings.seed)
+        write_sum_tasks(train, "sum-train", settings.train_tasks, settings.task_seed)
         write_sum_tasks(heldout, "sum-heldout", settings.heldout_tasks, seed_h)
     else:
         root.mkdir(parents=True, exist_ok=True)
-        import_peer_rows(peer_rows("peer-train", settings.train_tasks, settings.seed), train)
+        import_peer_rows(peer_rows("peer-train", settings.train_tasks, settings.task_seed), train)
         import_peer_rows(peer_rows("peer-heldout", settings.heldout_tasks, seed_h), heldout)
+    return train, heldout
+
+
+def import_reasoning_gym(family: str, settings: RaceSettings, root: Path) -> tuple[Path, Path]:
+    """``sandpiper tasks import reasoning-gym:FAMILY --size N --seed S --validation-size M``
+    (the real CLI), split into ``root/train/tasks.jsonl`` and ``root/heldout/tasks.jsonl``
+    (idempotent). The importer builds the held-out items from seeds after the training ones
+    and drops any whose question is also a training question; the ids differ."""
+    train, heldout = root / "train" / "tasks.jsonl", root / "heldout" / "tasks.jsonl"
+    if train.is_file() and heldout.is_file():
+        return train, heldout
+    imported = root / "imported"
+    cmd = [sys.executable, "-m", "sandpiper.cli", "tasks", "import", f"{RG_PREFIX}{family}",
+           "--size", str(settings.train_tasks), "--seed", str(settings.task_seed),
+           "--validation-size", str(settings.heldout_tasks), "--out", str(imported)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"sandpiper tasks import failed: {done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (imported / "tasks.jsonl").read_text().splitlines()]
+    for path, split in ((train, "train"), (heldout, "validation")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        chosen = [row for row in rows if row["split"] == split]
+        path.write_text("".join(json.dumps(row) + "\n" for row in chosen))
     return train, heldout
 
 
@@ -235,7 +276,7 @@ def sandpiper_config(
     base = REPO / "configs" / ("demo.toml" if settings.model == "tiny" else "demo-smollm2.toml")
     cfg = load_config(base, ["--runs_dir", str(runs_dir), "--name", name,
                              "--store.url", f"duckdb:///{runs_dir}/{name}/store.duckdb",
-                             "--tracking.enabled", "false"])  # fmt: skip
+                             "--tracking.enabled", "false", "--seed", str(settings.seed)])  # fmt: skip
     c, le = cfg.collector, cfg.learner
     c.tasks, c.validation_fraction = str(tasks), 0.0
     c.tool_parser = "hermes"  # TRL's environment_factory needs tool calls in the template
@@ -264,10 +305,12 @@ def sandpiper_config(
     return cfg
 
 
-TRL_GENERATION_PATHS = ("vllm-colocate", "vllm-server", "transformers")
+TRL_GENERATION_PATHS = ("vllm-colocate", "vllm-server", "transformers", "vllm-async")
 """How TRL's side generates: vLLM in TRL's own process (``use_vllm=True,
-vllm_mode="colocate"``), a ``trl vllm-serve`` server (``vllm_mode="server"``), or transformers
-``generate`` (``use_vllm=False``). docs/race.md, "TRL's generation path", says which ran here."""
+vllm_mode="colocate"``), a ``trl vllm-serve`` server (``vllm_mode="server"``), transformers
+``generate`` (``use_vllm=False``), or TRL's asynchronous trainer (``AsyncGRPOTrainer`` on a
+vLLM server, bench/race_trl_async.py). docs/race.md, "TRL's generation path", says which ran
+here."""
 
 TRL_VLLM_DEFAULTS: dict[str, Any] = {
     "vllm_importance_sampling_correction": True,
@@ -294,6 +337,10 @@ def trl_config(
     Sandpiper keeps its own (the learner's ``is_*`` defaults): neither is a shared setting."""
     if generation not in TRL_GENERATION_PATHS:
         raise ValueError(f"generation must be one of {', '.join(TRL_GENERATION_PATHS)}")
+    if generation == "vllm-async":  # another trainer, another config class
+        from race_trl_async import async_trl_config
+
+        return async_trl_config(settings, output_dir=output_dir)
     kwargs: dict[str, Any] = {
         "output_dir": str(output_dir),
         "use_cpu": True,
@@ -412,3 +459,42 @@ def side_by_side(rows: list[FairnessRow]) -> str:
         mark = "" if r.equal else "   <-- DIFFERS"
         lines.append(f"{r.setting:<{width}}  {show(r.sandpiper):<32}  {show(r.trl)}{mark}")
     return "\n".join(lines)
+
+
+# --- levers: overrides on Sandpiper's side only -------------------------------------------
+
+
+def with_overrides(cfg: Any, overrides: list[str]) -> Any:
+    """Sandpiper's config with ``KEY=VALUE`` overrides (``learner.max_lag=3``) applied
+    through its own loader: the resolved config as TOML plus dotted overrides, so the
+    values are parsed, validated and explained as ``--part.field VALUE`` on the CLI."""
+    if not overrides:
+        return cfg
+    import tempfile
+
+    from sandpiper.config import load_config
+    from sandpiper.config.loading import to_toml
+
+    args = []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--sandpiper-set takes KEY=VALUE (learner.max_lag=3), not {item!r}")
+        args.append(f"--{key.strip()}={value}")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "race-sandpiper.toml"
+        path.write_text(to_toml(cfg))
+        return load_config(path, args)
+
+
+def refuse_shared_overrides(
+    before: list[FairnessRow], after: list[FairnessRow], overrides: list[str]
+) -> None:
+    """Raise :class:`UnfairRace` (one line) when an override moved a shared race setting:
+    those reach both sides through :class:`RaceSettings`, never one side alone."""
+    changed = [a.setting for a, b in zip(before, after, strict=True) if a.sandpiper != b.sandpiper]
+    if changed:
+        raise UnfairRace(
+            f"--sandpiper-set {' '.join(overrides)} changes what both sides share "
+            f"({', '.join(changed)}); the race sets those for both sides, not one"
+        )

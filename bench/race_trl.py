@@ -15,7 +15,8 @@ environment until the batch is scored, so its pool holds one sandbox per rollout
 (``samples_per_step``); Sandpiper's collector runs with the pool of its config.
 
 The process writes ``trl_log.json`` (one entry per step: wall time since the race started
-this side, reward, generation and training seconds, tokens), ``grpo_config.json`` (every
+this side, reward, generation and training seconds, the process's CPU seconds in each of the
+two phases, tokens), ``grpo_config.json`` (every
 GRPOConfig field as TRL resolved it, and the library versions) and a checkpoint before each
 wall-clock evaluation mark (``checkpoints/step-N``, the time it was taken in the log).
 
@@ -39,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from race_profile import process_cpu_s  # bench scripts import their siblings
 
 ENDED = "Error: the episode has ended (submit was called)."
 
@@ -267,13 +271,17 @@ def make_callback(spec: dict[str, Any], out: Path, log: list[dict[str, Any]], ti
     class WallClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             timer["step_started"] = time.time()
-            timer["gen_s"] = 0.0
+            timer["step_cpu"] = process_cpu_s()
+            timer["gen_s"] = timer["gen_cpu_s"] = 0.0
 
         def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
             now = time.time()
             step_s = now - timer["step_started"]
+            step_cpu_s = process_cpu_s() - timer["step_cpu"]
             entry = {"step": state.global_step, "t_s": now - t0, "step_s": step_s,
                      "generate_s": timer["gen_s"], "train_s": step_s - timer["gen_s"],
+                     "generate_cpu_s": timer["gen_cpu_s"],
+                     "train_cpu_s": step_cpu_s - timer["gen_cpu_s"],
                      "tokens": timer.get("tokens", 0), "samples": timer.get("samples", 0),
                      "reward": _mean_reward()}  # fmt: skip
             if save_before_mark(now - t0, step_s, marks, budget):
@@ -297,14 +305,16 @@ def _mean_reward() -> float | None:
 
 
 def instrument(trainer: Any, timer: dict) -> None:
-    """Time generation (rollouts with their tool calls and rewards) inside each step and
-    count the trained tokens; measurement only, the trainer's behaviour is unchanged."""
+    """Time generation (rollouts with their tool calls and rewards) inside each step, in
+    wall and in the process's CPU seconds, and count the trained tokens; measurement only,
+    the trainer's behaviour is unchanged."""
     inner = trainer._generate_and_score_completions
 
     def timed(inputs: Any) -> Any:
-        started = time.time()
+        started, cpu = time.time(), process_cpu_s()
         batch = inner(inputs)
         timer["gen_s"] += time.time() - started
+        timer["gen_cpu_s"] += process_cpu_s() - cpu
         mask = batch["completion_mask"].sum() + batch["prompt_mask"].sum()
         timer["tokens"], timer["samples"] = int(mask), len(inputs)
         return batch
@@ -357,6 +367,10 @@ def resolved_config(args: Any) -> dict[str, Any]:
 def main(spec_path: str) -> None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     spec = json.loads(Path(spec_path).read_text())
+    if spec["generation"] == "vllm-async":  # TRL's asynchronous trainer: bench/race_trl_async.py
+        from race_trl_async import main as async_main
+
+        return async_main(spec_path)
     out = Path(spec["out_dir"])
     (out / "checkpoints").mkdir(parents=True, exist_ok=True)
     from datasets import Dataset

@@ -8,6 +8,7 @@ arithmetic (time_to_match_ratio, the checkpoint of each wall-clock mark)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import socket
@@ -31,6 +32,9 @@ def _load(name: str):
 
 
 setup = _load("race_setup")
+stats = _load("race_stats")
+profile = _load("race_profile")
+race_report = _load("race_report")
 race = _load("race_bench")
 race_eval = _load("race_eval")
 race_trl = _load("race_trl")
@@ -179,13 +183,29 @@ def test_other_tasks_or_another_start_are_refused(suite, tmp_path: Path) -> None
         setup.check_fair(_rows(sp, trl, train, start, trl_model_hash=setup.model_hash(other)))
 
 
-def test_heldout_tasks_are_never_training_tasks(suite) -> None:
-    _, train, heldout, _, _, _ = suite
+def _contents(source: Path) -> set[str]:
+    """Each task's instruction and files: what would make a held-out task a training task."""
+    from sandpiper.collector.tasks.loading import load_tasks
+
+    out = set()
+    for t in load_tasks(source):
+        files = t.data_dir / t.files_subdir if t.data_dir else None
+        texts = sorted(p.read_text() for p in files.rglob("*") if p.is_file()) if files else []
+        out.add("\n".join([t.instruction, *texts]))
+    return out
+
+
+@pytest.mark.parametrize("suite_name", ["sum", "peer", "reasoning-gym:products"])
+def test_heldout_tasks_are_never_training_tasks(tmp_path: Path, suite_name: str) -> None:
+    """Other ids and other content (numbers, questions) for every suite, whatever the run's
+    seed (tasks come from ``task_seed``)."""
+    settings = setup.RaceSettings(suite=suite_name, train_tasks=6, heldout_tasks=4, seed=3)
+    train, heldout = setup.prepare_suite(settings, tmp_path / "tasks")
     train_ids, heldout_ids = set(setup.task_ids(train)), set(setup.task_ids(heldout))
-    assert train_ids and heldout_ids and not train_ids & heldout_ids
-    numbers = {p.parent.parent.name: p.read_text() for p in train.glob("*/files/numbers.txt")}
-    for path in heldout.glob("*/files/numbers.txt"):
-        assert path.read_text() not in numbers.values()
+    assert len(train_ids) == 6 and heldout_ids and not train_ids & heldout_ids
+    assert len(heldout_ids) <= 4  # the reasoning-gym importer drops a repeated question
+    assert not _contents(train) & _contents(heldout)
+    assert setup.prepare_suite(settings, tmp_path / "tasks") == (train, heldout)  # kept
 
 
 def test_peer_rows_are_the_peers_schema() -> None:
@@ -225,22 +245,6 @@ def test_trl_environment_offers_sandpipers_tools_and_prompt(suite) -> None:
         {"role": "system", "content": cc.system_prompt},
         {"role": "user", "content": task.instruction},
     ]
-
-
-def _curve(*points: tuple[float, float]) -> list[dict]:
-    return [{"t_s": t, "reward": r} for t, r in points]
-
-
-def test_time_to_match_ratio() -> None:
-    trl = _curve((0, 0.2), (60, 0.4), (120, 0.5), (180, 0.5))
-    fast = race.time_to_match({"trl": trl, "sandpiper": _curve((0, 0.2), (30, 0.6))}, 180)
-    assert fast["time_to_match_ratio"] == pytest.approx(120 / 30)
-    assert fast["ratio_is_upper_bound"] is False
-    never = race.time_to_match({"trl": trl, "sandpiper": _curve((0, 0.2), (180, 0.45))}, 180)
-    assert never["ratio_is_upper_bound"] is True
-    assert never["time_to_match_ratio"] == pytest.approx(120 / 180) and "never" in never["note"]
-    flat = race.time_to_match({"trl": _curve((0, 0.3), (60, 0.1)), "sandpiper": trl}, 180)
-    assert flat["time_to_match_ratio"] is None and "start" in flat["note"]
 
 
 def test_each_mark_takes_the_newest_checkpoint_written_by_then() -> None:
@@ -296,61 +300,6 @@ def test_both_sides_render_the_same_prompt(learner_tiny_model: Path) -> None:
     assert render([env.execute_bash, env.submit]) == shipped
     with pytest.raises(ValueError, match="tool line"):
         setup.canonical_tool_template("{{ messages }}")
-
-
-class _FakePool:
-    """Hands out FakeSandboxes (a temp folder each); counts what is held."""
-
-    def __init__(self) -> None:
-        self.held: set[int] = set()
-        self.acquired = 0
-
-    async def acquire(self, *, episode_id: str, task_id: str, image: str | None = None):
-        from sandpiper.testing.sandbox import FakeSandbox
-
-        box = FakeSandbox()
-        self.held.add(id(box))
-        self.acquired += 1
-        return box
-
-    async def release(self, sandbox, *, broken: bool = False) -> None:
-        self.held.remove(id(sandbox))
-
-    async def close(self) -> None:
-        pass
-
-
-def test_sandbox_env_runs_the_task_with_sandpipers_toolbox_and_reward(suite) -> None:
-    """TRL's view of an episode: reset, tool calls, get_reward; the sandbox is prepared with
-    the task's files, given back after the reward, and the reward is the task's."""
-    from sandpiper.collector.tasks.loading import load_tasks
-    from sandpiper.demo.tasks import COMPUTE_COMMAND
-
-    _, train, _, _, sp, _ = suite
-    pool = _FakePool()
-    runtime = race_trl.SandboxRuntime(sp, pool_size=1, pool=pool)
-    race_trl.RUNTIME = runtime
-    race_trl.TASKS.update({t.task_id: t for t in load_tasks(train)})
-    try:
-        task_id = setup.task_ids(train)[0]
-        solved, guessed, silent = (
-            race_trl.SandboxEnv(),
-            race_trl.SandboxEnv(),
-            race_trl.SandboxEnv(),
-        )
-        for env in (solved, guessed, silent):
-            env.reset(task_id=task_id, prompt=[])
-        race_trl.STEP_REWARDS.clear()
-        solved.execute_bash(COMPUTE_COMMAND)
-        solved.submit()
-        assert solved.execute_bash("ls") == race_trl.ENDED  # the episode ended at submit
-        guessed.execute_bash("echo 42 > answer.txt")
-        assert (solved.get_reward(), guessed.get_reward(), silent.get_reward()) == (1.0, 0.0, 0.0)
-        assert race_trl._mean_reward() == pytest.approx(1 / 3) and not race_trl.STEP_REWARDS
-        assert pool.acquired == 3 and not pool.held
-    finally:
-        runtime.close()
-        race_trl.RUNTIME = None
 
 
 def test_the_trl_side_saves_before_every_mark_when_a_step_runs_longer():
@@ -420,3 +369,114 @@ def test_cpu_colocate_weight_sync_goes_through_vllms_reload() -> None:
     assert method == "reload_weights" and reset == ("reset_prefix_cache",)
     assert pairs[0][0] == "lm_head.weight" and torch.equal(pairs[0][1], weight.detach())
     assert not pairs[0][1].requires_grad
+
+
+# --- seeds, eval marks, overrides, the reasoning-gym suite ---------------------------------
+
+
+def test_each_seed_gets_its_own_run_with_the_same_tasks_and_start(suite, tmp_path: Path) -> None:
+    """``--seeds``: seed k on both sides (sampling and data order) in ``seed<k>/``; the
+    tasks and the start checkpoint do not move with it; each seed is checked for fairness."""
+    settings, train, _, start, _, _ = suite
+    runs = {k: race.seed_configs(settings, tmp_path, start, train, seed=k,
+                                 generation="transformers", overrides=[])
+            for k in (0, 1)}  # fmt: skip
+    for k, (sp, trl) in runs.items():
+        assert sp.seed == trl["seed"] == k
+        assert Path(sp.runs_dir) == tmp_path / f"seed{k}"
+        assert Path(trl["output_dir"]) == tmp_path / f"seed{k}" / "trl"
+        assert sp.learner.model == str(start) and sp.collector.tasks == str(train)
+    # the tasks are the task seed's, whatever the run's seed
+    again, _ = setup.prepare_suite(dataclasses.replace(settings, seed=1), tmp_path / "tasks1")
+    assert setup.task_ids(again) == setup.task_ids(train)
+    assert sorted(p.read_text() for p in again.glob("*/files/numbers.txt")) == sorted(
+        p.read_text() for p in train.glob("*/files/numbers.txt")
+    )
+    from sandpiper.collector.tasks.loading import load_tasks
+
+    tasks = load_tasks(train)
+    orders = [[r["task_id"] for r in race_trl.dataset_rows(runs[k][0], tasks, seed=k)]
+              for k in (0, 1)]  # fmt: skip
+    assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])
+
+
+def test_seeds_and_eval_marks_defaults() -> None:
+    """Two seeds; one eval mark per minute of the budget (ceil), unless given."""
+    args = race.parse_args([])
+    assert args.seeds == 2 and args.eval_marks == 10 and args.sandpiper_set == []
+    assert race.parse_args(["--minutes", "2.5"]).eval_marks == 3
+    assert race.parse_args(["--minutes", "0.5"]).eval_marks == 1
+    assert race.parse_args(["--minutes", "30", "--eval-marks", "15"]).eval_marks == 15
+    with pytest.raises(SystemExit):
+        race.parse_args(["--seeds", "0"])
+
+
+def test_only_reruns_one_side_of_every_seed_and_keeps_the_other(tmp_path: Path, monkeypatch):
+    """``--only trl``: every seed's TRL side runs again; each seed's recorded Sandpiper side
+    is kept (from race.json's ``seeds``)."""
+    root = tmp_path / "tiny-sum"
+    root.mkdir()
+    kept = {str(k): {"sides": {"sandpiper": {"kept": k}, "trl": {"old": k}}} for k in (0, 1)}
+    (root / "race.json").write_text(json.dumps({"seeds": kept}))
+    ran: list[tuple[str, int]] = []
+    sp = SimpleNamespace(model_dump_json=lambda: "{}", sandbox=SimpleNamespace(pool_size=4))
+    configs = {k: (sp, {"seed": k}) for k in (0, 1)}
+    monkeypatch.setattr(race, "build", lambda *a, **k: (configs, tmp_path, tmp_path, tmp_path))
+    monkeypatch.setattr(race, "run_trl", lambda spec, out, run: ran.append(("trl", run.seed))
+                        or {"new": run.seed})  # fmt: skip
+    monkeypatch.setattr(race, "run_sandpiper", lambda *a: pytest.fail("kept, not rerun"))
+    seen = {}
+    monkeypatch.setattr(race, "evaluate", lambda settings, seeds, *a: seen.update(seeds) or {})
+    monkeypatch.setattr(race, "report", lambda *a: {"summary": {}})
+    race.main(["--only", "trl", "--runs-dir", str(tmp_path), "--minutes", "1"])
+    assert ran == [("trl", 0), ("trl", 1)]
+    assert seen == {str(k): {"sides": {"sandpiper": {"kept": k}, "trl": {"new": k}}}
+                    for k in (0, 1)}  # fmt: skip
+
+
+def test_sandpiper_overrides_go_through_the_configs_validation(suite) -> None:
+    _, train, _, start, sp, trl = suite
+    levers = setup.with_overrides(sp, ["learner.max_lag=3", "collector.max_unconsumed_groups=8"])
+    assert levers.learner.max_lag == 3 and levers.collector.max_unconsumed_groups == 8
+    assert levers.learner.lr == sp.learner.lr and levers.name == sp.name
+    setup.refuse_shared_overrides(_rows(sp, trl, train, start), _rows(levers, trl, train, start),
+                                  ["learner.max_lag=3"])  # fmt: skip
+    from sandpiper.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_lag"):
+        setup.with_overrides(sp, ["learner.max_lag=-1"])
+    with pytest.raises(ConfigError, match="no_such_field"):
+        setup.with_overrides(sp, ["learner.no_such_field=1"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        setup.with_overrides(sp, ["learner.max_lag"])
+    assert setup.with_overrides(sp, []) is sp
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("learner.lr=0.001", "learning rate"), ("collector.group_size=4", "group size"),
+     ("seed=5", "seed"), ("learner.loss_agg=sequence_mean", "loss aggregation")],
+)  # fmt: skip
+def test_an_override_of_a_shared_setting_is_refused_in_one_line(
+    suite, tmp_path: Path, override: str, named: str
+) -> None:
+    settings, train, _, start, _, _ = suite
+    with pytest.raises(setup.UnfairRace, match=named) as refused:
+        race.seed_configs(settings, tmp_path, start, train, seed=0, generation="transformers",
+                          overrides=["learner.max_lag=2", override])  # fmt: skip
+    assert "\n" not in str(refused.value) and override in str(refused.value)
+
+
+def test_the_reasoning_gym_suite_is_named_by_family() -> None:
+    assert setup.RaceSettings(suite="reasoning-gym:products").suite == "reasoning-gym:products"
+    for bad in ("reasoning-gym:", "gsm8k"):
+        with pytest.raises(ValueError, match="reasoning-gym:FAMILY"):
+            setup.RaceSettings(suite=bad)
+    args = race.parse_args(["--suite", "reasoning-gym:products", "--model", "smollm2"])
+    settings = race.settings_of(args)
+    assert race.suite_root(Path("runs"), settings) == Path("runs/smollm2-reasoning-gym-products")
+    assert race.teacher("reasoning-gym:products")["instruction"] in (
+        "Solve the following multiplication:",
+    )
+    with pytest.raises(ValueError, match="--start"):
+        race.teacher("reasoning-gym:leg_counting")
