@@ -128,6 +128,11 @@ def config_kwargs(trl_config: dict[str, Any]) -> dict[str, Any]:
 # --- weight sync -------------------------------------------------------------------------
 
 
+RESET_PARAMS = {"reset_running_requests": "true"}
+"""The frozen requests' blocks go too: they are recomputed with the new weights on resume."""
+RESET_ATTEMPTS = 3
+
+
 class ReloadWeightTransfer:
     """TRL's ``WeightTransferProtocol`` through vLLM's in-place reload (CPU: no NCCL).
 
@@ -135,12 +140,15 @@ class ReloadWeightTransfer:
     continue after ``resume``); ``send_weights`` writes the (name, tensor) pairs to
     ``folder/model.safetensors`` (a temporary name, then renamed, so the server never reads
     half a file) and asks every worker to ``reload_weights`` from ``folder`` (vLLM restores its
-    packed CPU layers, loads, packs again) and to drop its prefix cache (blocks of the old
-    weights); ``resume`` lets generation go on."""
+    packed CPU layers, loads, packs again), then drops vLLM's prefix cache, the frozen requests'
+    blocks included (all computed with the old weights); ``resume`` lets generation go on."""
 
     def __init__(self, url: str, folder: Path, timeout_s: float = 600.0) -> None:
         self.url, self.folder, self.timeout_s = url.rstrip("/"), Path(folder), timeout_s
         self.syncs = 0
+        self.stale_cache_syncs = 0
+        """Syncs after which vLLM refused to drop its prefix cache (it answers ``success:
+        false`` while blocks are held)."""
 
     def init_weight_transfer(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -158,8 +166,14 @@ class ReloadWeightTransfer:
         os.replace(tmp, self.folder / "model.safetensors")
         self._post("/collective_rpc", body={"method": "reload_weights",
                                            "kwargs": {"weights_path": str(self.folder)}})  # fmt: skip
-        self._post("/reset_prefix_cache")
         self.syncs += 1
+        for _ in range(RESET_ATTEMPTS):
+            answer = json.loads(self._post("/reset_prefix_cache", params=RESET_PARAMS) or b"{}")
+            if answer.get("success", True):
+                return
+            time.sleep(0.2)
+        self.stale_cache_syncs += 1  # blocks of the old weights may serve a new request
+        print(f"vLLM kept its prefix cache after weight sync {self.syncs}", flush=True)
 
     def resume(self) -> None:
         self._post("/resume")

@@ -101,7 +101,7 @@ def test_weight_transfer_pauses_reloads_from_a_whole_file_and_resumes(tmp_path: 
         transfer.resume()
         paths = [(method, path) for method, path, _ in _FakeVLLM.calls]
         assert paths == [("GET", "/health"), ("POST", "/pause?mode=keep"),
-                         ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"),
+                         ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache?reset_running_requests=true"),
                          ("POST", "/resume")]  # fmt: skip
         rpc = _FakeVLLM.calls[2][2]
         assert rpc["method"] == "reload_weights"
@@ -230,3 +230,33 @@ def test_mfu_probe_answers_none_on_cpu(monkeypatch) -> None:
     assert (
         module.get_peak_flops_per_device(SimpleNamespace(device=torch.device("cpu")), "x") is None
     )
+
+
+def test_a_prefix_cache_vllm_keeps_is_retried_then_counted(tmp_path: Path, monkeypatch) -> None:
+    torch = pytest.importorskip("torch")
+
+    class Keep(_FakeVLLM):
+        def do_POST(self) -> None:
+            if self.path.startswith("/reset_prefix_cache"):
+                self.calls.append((self.command, self.path, {}))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b'{"success": false}')
+            else:
+                self._answer()
+
+    monkeypatch.setattr(rta.time, "sleep", lambda s: None)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Keep)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _FakeVLLM.calls = []
+    try:
+        transfer = rta.ReloadWeightTransfer(
+            f"http://127.0.0.1:{server.server_address[1]}", tmp_path / "h"
+        )
+        transfer.init_weight_transfer()
+        transfer.send_weights(iter([("w", torch.ones(2))]))
+        resets = [p for _, p, _ in _FakeVLLM.calls if p.startswith("/reset_prefix_cache")]
+        assert len(resets) == rta.RESET_ATTEMPTS
+        assert (transfer.syncs, transfer.stale_cache_syncs) == (1, 1)
+    finally:
+        server.shutdown()
