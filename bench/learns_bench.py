@@ -39,12 +39,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import shutil
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +51,6 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from race_setup import (  # noqa: E402  (bench scripts import their siblings)
     MODELS,
-    PEER_COMPUTE_COMMAND,
-    PEER_PROBLEM,
     RaceSettings,
     import_reasoning_gym,
     model_hash,
@@ -63,6 +58,7 @@ from race_setup import (  # noqa: E402  (bench scripts import their siblings)
     task_ids,
 )
 from race_stats import Z95, t_interval, wilson  # noqa: E402  (one copy, also the race's)
+from warm_start import TEACHERS, Teacher, sft_warm_start, teacher_record  # noqa: E402
 
 from sandpiper.errors import SandpiperError  # noqa: E402
 
@@ -146,45 +142,7 @@ def compare(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]
 # --- the run -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Suite:
-    """A task family the bench runs: how to write it and how its scripted teacher solves it."""
-
-    name: str
-    description: str
-    instruction: str
-    """Text every prompt of the family holds: the teacher refuses any other prompt."""
-    compute_command: str | Callable[[str], str]
-    """The shell command that solves an item (or builds it from the prompt's text)."""
-    shared_field: str
-    """What train and held-out tasks must not share: ``answer`` or ``prompt``."""
-
-
-PRODUCTS_QUESTION = re.compile(r"Solve the following multiplication: ([0-9][0-9 *]*)\. Give")
-"""reasoning-gym ``products`` (0.1.25): "Solve the following multiplication: 1663 * 5242.
-Give only the result as your final answer." (no negation in its default config)."""
-
-
-def products_command(prompt: str) -> str:
-    """The teacher's computation for a ``products`` item: the question's product in python."""
-    match = PRODUCTS_QUESTION.search(prompt)
-    if match is None:
-        raise SandpiperError("no reasoning-gym products question in the prompt")
-    return f"python3 -c 'print({match.group(1)})' > answer.txt"
-
-
-SUITES = {
-    "peer": Suite("peer", "peer (LLM-in-Sandbox-RL rows, sum of numbers.txt)", PEER_PROBLEM,
-                  PEER_COMPUTE_COMMAND, "answer"),
-    "reasoning-gym:products": Suite(
-        "reasoning-gym:products",
-        "reasoning-gym products 0.1.25 (default config: two factors of 1-5 digits), "
-        "scored by its own score_answer",
-        "Solve the following multiplication:", products_command, "prompt"),
-}  # fmt: skip
-
-
-def prepare(suite: Suite, settings: RaceSettings, root: Path) -> tuple[Path, Path]:
+def prepare(suite: Teacher, settings: RaceSettings, root: Path) -> tuple[Path, Path]:
     """(train tasks, held-out tasks) of ``suite`` under ``root`` (idempotent)."""
     if suite.name == "peer":
         return prepare_suite(settings, root)
@@ -224,13 +182,9 @@ def check_disjoint(train: Path, heldout: Path, field: str = "answer") -> None:
         raise SandpiperError(f"train and held-out share {field}s: {sorted(shared)[:5]}")
 
 
-def warm_start(root: Path, train: Path, suite: Suite, log: Any) -> tuple[Path, dict[str, Any]]:
-    """SFT on the scripted teacher's episodes on the train tasks; cached in ``root/start``."""
-    import asyncio
-
-    from transformers import AutoTokenizer
-
-    from sandpiper.collector.daemon.launch import collect
+def warm_start(root: Path, train: Path, suite: Teacher, log: Any) -> tuple[Path, dict[str, Any]]:
+    """SFT on the scripted teacher's episodes on the train tasks (bench/warm_start.py);
+    cached in ``root/start``."""
     from sandpiper.demo import run as demo
     from sandpiper.demo.tasks import COMPUTE_FRACTION
 
@@ -238,38 +192,18 @@ def warm_start(root: Path, train: Path, suite: Suite, log: Any) -> tuple[Path, d
     cfg = base_config(root, "warmstart", train, MODELS["smollm2"])
     if not (start / "config.json").is_file():
         demo.ensure_model(str(MODELS["smollm2"]))
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)
-        n = len(task_ids(train))
-        cfg.collector.group_size, cfg.collector.max_groups = 1, n
-        cfg.collector.max_unconsumed_groups = n
-        cfg.learner.algo, cfg.learner.checkpoint_retention = "sft", True
-        for key, value in demo.DEMO_MODELS["smollm2"].sft_learner.items():
-            setattr(cfg.learner, key, value)
-        teacher = demo.Demonstrator(
-            AutoTokenizer.from_pretrained(cfg.learner.model),
-            compute_fraction=COMPUTE_FRACTION,
-            seed=SEED,
-            action_format="bash_block",
+        log(f"warm start: {len(task_ids(train))} teacher episodes "
+            f"(computing in {COMPUTE_FRACTION:.0%}), then SFT")  # fmt: skip
+        checkpoint = sft_warm_start(
+            cfg,
+            sft_learner=demo.DEMO_MODELS["smollm2"].sft_learner,
+            log_path=root / "warmstart.log",
             instruction=suite.instruction,
             compute_command=suite.compute_command,
         )
-        log(f"warm start: {n} teacher episodes (computing in {COMPUTE_FRACTION:.0%}), then SFT")
-        asyncio.run(
-            collect(cfg.for_collector(), stop=asyncio.Event(), live_status=False, client=teacher)
-        )
-        checkpoint = demo.run_sft(cfg, root / "warmstart.log")
         shutil.copytree(checkpoint, start, ignore=shutil.ignore_patterns("train_state"))
-    from sandpiper.analysis import api
-
-    demos = api.episodes(cfg.store.url, run_id=cfg.name)
-    rewards = demos["reward"].to_list()
-    info = {
-        "checkpoint": str(start),
-        "sha256_16": model_hash(start),
-        "teacher_episodes": demos.height,
-        "teacher_passes": sum(r is not None and r >= 1.0 for r in rewards),
-        "teacher_compute_fraction": COMPUTE_FRACTION,
-    }
+    info = {"checkpoint": str(start), "sha256_16": model_hash(start),
+            **teacher_record(cfg.store.url, cfg.name)}  # fmt: skip
     return start, info
 
 
@@ -322,7 +256,7 @@ def train(cfg: Any, minutes: float) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--suite", choices=sorted(SUITES), default="peer", help="the task family (default: peer)"
+        "--suite", choices=sorted(TEACHERS), default="peer", help="the task family (default: peer)"
     )
     parser.add_argument("--minutes", type=float, default=30.0, help="GRPO wall-clock budget")
     parser.add_argument("--train-tasks", type=int, default=64)
@@ -337,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    suite = SUITES[args.suite]
+    suite = TEACHERS[args.suite]
     slug = suite.name.replace(":", "-")
     root = (args.runs_dir or REPO / "runs" / "learns" / slug).resolve()
     root.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,9 @@ Every shared setting comes from one ``RaceSettings`` (bench/race_setup.py); the 
 are printed side by side and the run refuses to start if any differs (for every seed). Each
 side runs once per seed (``--seeds``: sampling seed and data order, the same on both sides;
 tasks and start checkpoint are shared), in ``<runs>/<model>-<suite>/seed<k>/``. The start
-checkpoint is the demo's SFT warm start (tiny model; cached under the runs folder) or SmolLM2
-with the tool-calling chat template. ``--sandpiper-set`` changes a lever of Sandpiper's config
+checkpoint is the scripted teacher's SFT warm start on the race's training tasks, for the
+tiny model and SmolLM2 alike (bench/race_start.py; cached in ``<runs>/<model>-<suite>/start``).
+``--sandpiper-set`` changes a lever of Sandpiper's config
 (refused for anything the fairness check compares). Results (bench/race_report.py):
 ``race.json`` and ``race.png`` (eval reward against wall-clock time, each point with its 95 %
 interval), ``time_to_match_ratio`` per seed (TRL's time to its best eval reward / Sandpiper's
@@ -52,13 +53,8 @@ from race_eval import _free_port  # noqa: E402  (bench scripts import their sibl
 from race_profile import CpuSampler, sandpiper_role, shares, trl_role, trl_split  # noqa: E402
 from race_report import SIDES, evaluate, flat_summary, report  # noqa: E402
 from race_setup import (  # noqa: E402
-    CANONICAL_TOOL_LINE,
-    PEER_COMPUTE_COMMAND,
-    PEER_PROBLEM,
-    RG_PREFIX,
     TRL_GENERATION_PATHS,
     RaceSettings,
-    canonical_tool_template,
     check_fair,
     fairness_rows,
     model_hash,
@@ -70,76 +66,7 @@ from race_setup import (  # noqa: E402
     trl_config,
     with_overrides,
 )
-
-# --- start checkpoint --------------------------------------------------------------------
-
-
-def start_checkpoint(
-    settings: RaceSettings, root: Path, train: Path, given: Path | None = None
-) -> Path:
-    """The checkpoint both sides start from, made once and kept in ``root/start``, with the
-    chat template that renders both sides' tool schemas to the same prompt
-    (:data:`race_setup.CANONICAL_TOOL_LINE`)."""
-    start = root / "start"
-    if given is not None and not (start / "config.json").is_file():
-        shutil.copytree(given, start, ignore=shutil.ignore_patterns("train_state"))
-    if not (start / "config.json").is_file():
-        make_start(settings, root, train, start)
-    template = start / "chat_template.jinja"
-    text = template.read_text()
-    if CANONICAL_TOOL_LINE not in text:
-        template.write_text(canonical_tool_template(text))
-    return start
-
-
-def make_start(settings: RaceSettings, root: Path, train: Path, start: Path) -> None:
-    if settings.model == "smollm2":
-        from sandpiper.demo.run import ensure_model
-
-        ensure_model(str(settings.model_dir))
-        shutil.copytree(settings.model_dir, start)
-        # SmolLM2's own template has no tools; TRL's environment_factory refuses it. Both
-        # sides get the Hermes tool template the tiny model ships (sandpiper/models/data).
-        shutil.copy(REPO / "sandpiper" / "models" / "data" / "chat_template.jinja", start)
-        return
-    # the peer rows are demonstrated as they are imported (their instruction, the file in
-    # /workspace/documents/): a start made on the demo's sum tasks never solved one (held-out
-    # reward 0 on both sides of a 5-minute race; the tiny model does not transfer)
-    checkpoint = sft_warm_start(settings, root, train)
-    shutil.copytree(checkpoint, start, ignore=shutil.ignore_patterns("train_state"))
-
-
-def sft_warm_start(settings: RaceSettings, root: Path, train: Path) -> str:
-    """The demo's warm start on the training tasks: the scripted weak teacher's episodes
-    through the real collector, then ``sandpiper learn --algo sft``."""
-    from sandpiper.demo import run as demo
-    from sandpiper.demo.tasks import COMPUTE_FRACTION
-
-    sft = sandpiper_config(settings, start=settings.model_dir, tasks=train,
-                           runs_dir=root, name="warmstart")  # fmt: skip
-    n = len(task_ids(train))
-    sft.collector.group_size, sft.collector.max_groups = 1, n
-    sft.collector.max_unconsumed_groups = n
-    sft.learner.algo, sft.learner.checkpoint_retention = "sft", True
-    for key, value in demo.SFT_LEARNER.items():
-        setattr(sft.learner, key, value)
-    demo.collect_demonstrations(sft, compute_fraction=COMPUTE_FRACTION, **teacher(settings.suite))
-    return demo.run_sft(sft, root / "warmstart.log")
-
-
-def teacher(suite: str) -> dict[str, Any]:
-    """The warm start's teacher for the suite (``instruction``, ``compute_command``)."""
-    if suite == "peer":
-        return {"instruction": PEER_PROBLEM, "compute_command": PEER_COMPUTE_COMMAND}
-    if suite.startswith(RG_PREFIX):
-        from learns_bench import SUITES
-
-        if suite not in SUITES:
-            raise ValueError(f"no scripted teacher for {suite}: give --start CHECKPOINT (or "
-                             f"--model smollm2), or use {RG_PREFIX}products")  # fmt: skip
-        family = SUITES[suite]
-        return {"instruction": family.instruction, "compute_command": family.compute_command}
-    return {}
+from race_start import start_checkpoint  # noqa: E402
 
 
 def cores() -> int:

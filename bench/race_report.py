@@ -16,6 +16,7 @@ one harness, the curves with their intervals, the summary over seeds, the figure
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,8 @@ def summarise(
     summary: dict[str, Any] = {
         "model": settings.model, "suite": settings.suite, "minutes_per_side": settings.minutes,
         "seeds": sorted(int(s) for s in seeds), "eval_marks": settings.eval_marks,
-        "start_sha256": model_hash(start), "heldout_tasks": settings.heldout_tasks,
+        "start_sha256": model_hash(start), "start_made": start_record(start),
+        "heldout_tasks": settings.heldout_tasks,
         "eval_samples_per_checkpoint": settings.heldout_tasks * settings.eval_samples_per_task,
         "eval_reward_start": any_curve[0]["reward"] if any_curve else None,
         "trl_generation_path": first_trl.get("generation_path"),
@@ -131,6 +133,14 @@ def summarise(
         summary.update(stats)
         summary["by_seed"] = by_seed_ratio
     return summary
+
+
+def start_record(start: Path) -> dict[str, Any] | None:
+    """How the start was made (bench/race_start.py's record; None for an older start)."""
+    from race_start import START_RECORD
+
+    path = start / START_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def report(

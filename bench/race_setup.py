@@ -280,6 +280,9 @@ def sandpiper_config(
     c, le = cfg.collector, cfg.learner
     c.tasks, c.validation_fraction = str(tasks), 0.0
     c.tool_parser = "hermes"  # TRL's environment_factory needs tool calls in the template
+    # TRL offers the tools with race_trl.SandboxEnv's docstrings, the brief descriptions
+    # (configs/demo-smollm2.toml leaves the full ones: ~240 prompt tokens more on one side)
+    c.tool_descriptions = "brief"
     c.group_size, c.max_turns = settings.group_size, settings.max_turns
     c.max_tokens_per_turn, c.max_episode_tokens = (
         settings.max_tokens_per_turn,

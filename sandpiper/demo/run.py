@@ -174,7 +174,7 @@ def collect_demonstrations(
     *,
     compute_fraction: float,
     instruction: str = INSTRUCTION,
-    compute_command: str = COMPUTE_COMMAND,
+    compute_command: str | Callable[[str], str] = COMPUTE_COMMAND,
 ) -> None:
     """Run the real collector with the scripted demonstrator until every task has one
     (``instruction`` / ``compute_command``: the task family, see :class:`Demonstrator`)."""

@@ -22,7 +22,6 @@ from learns_bench import (
     compare,
     mcnemar_exact_p,
     newcombe_difference,
-    products_command,
     t_interval,
     wilson,
 )
@@ -108,17 +107,6 @@ def test_compare_keeps_partial_credit() -> None:
     assert result["before"]["mean_score"] == pytest.approx(0.5)
     assert result["score_difference"]["mean_after_minus_before"] == pytest.approx(1.25 / 3)
     assert result["mcnemar"]["pass_after_only"] == 1
-
-
-def test_products_teacher_computes_the_question() -> None:
-    rg = pytest.importorskip("reasoning_gym")
-    item = rg.create_dataset("products", size=3, seed=0)[1]
-    command = products_command(item["question"] + "\n\nWhen you are done, call `submit`.")
-    expression = command.split("print(", 1)[1].split(")", 1)[0]
-    assert str(eval(expression)) == item["answer"]  # the regex admits digits, spaces and * only
-    assert command.endswith("> answer.txt")
-    with pytest.raises(SandpiperError):
-        products_command("What is the sum of the numbers in numbers.txt?")
 
 
 def test_disjoint_by_prompt_refuses_a_shared_question(tmp_path: Path) -> None:

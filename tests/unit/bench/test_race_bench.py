@@ -475,8 +475,10 @@ def test_the_reasoning_gym_suite_is_named_by_family() -> None:
     args = race.parse_args(["--suite", "reasoning-gym:products", "--model", "smollm2"])
     settings = race.settings_of(args)
     assert race.suite_root(Path("runs"), settings) == Path("runs/smollm2-reasoning-gym-products")
-    assert race.teacher("reasoning-gym:products")["instruction"] in (
+    from race_start import teacher
+
+    assert teacher("reasoning-gym:products")["instruction"] in (
         "Solve the following multiplication:",
     )
     with pytest.raises(ValueError, match="--start"):
-        race.teacher("reasoning-gym:leg_counting")
+        teacher("reasoning-gym:leg_counting")

@@ -83,7 +83,7 @@ def test_trl_side_scores_an_imported_reasoning_gym_task_with_its_scorer(tmp_path
     """An imported reasoning-gym item reaches TRL's side as it reaches the collector (its
     prompt in the dataset row, its files in the sandbox) and is scored by the family's own
     scorer through the task's reward (``finish_episode``)."""
-    from learns_bench import products_command
+    from warm_start import products_command
 
     from sandpiper.collector.tasks.loading import load_tasks
 
