@@ -65,6 +65,7 @@ from sandpiper.trainer.leadership import LeaseKeeper, new_learner_id, wait_for_l
 from sandpiper.trainer.loss import LossConfig, LossStats, grpo_loss
 from sandpiper.trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
 from sandpiper.trainer.packing import MicroBatch, TrainSequence, packed_logprobs
+from sandpiper.trainer.prefix import Sharing, attention_tokens, unsupported_reason
 from sandpiper.trainer.retention import RetentionPolicy, prune_checkpoints
 from sandpiper.trainer.threads import FollowIdleCores
 from sandpiper.trainer.tracking import Tracker
@@ -208,6 +209,7 @@ class Learner:
                 gradient_checkpointing=self.lc.gradient_checkpointing,
             )  # fmt: skip
             self.publish_dtype = publish_dtype(self.engine)
+            self.sharing = self._sharing()
             self._unsaved: Path | None = None
             """The latest version's folder, if this learner published it without a training
             state (:meth:`finish` adds one)."""
@@ -217,6 +219,24 @@ class Learner:
             self.close(release=True)
             raise
         self.tracker: Tracker | None = None
+
+    def _sharing(self) -> Sharing | None:
+        """How to share prefixes (``learner.share_prefix``), or None: off, or the policy (or
+        reference) model cannot honour the shared layout's mask, which the log says."""
+        if not self.lc.share_prefix:
+            return None
+        for model in (self.engine, self.ref_model):
+            reason = None if model is None else unsupported_reason(model)
+            if reason is not None:
+                log.warning("learner.share_prefix: packing unshared: %s", reason)
+                return None
+        # rows within inference.max_model_len (and the micro-batch): the planner's row
+        rows = min(self.cfg.max_model_len, self.lc.micro_batch_tokens)
+        return Sharing(rows, attention_tokens(self.engine.module.config))
+
+    def pack(self, seqs: list[TrainSequence]) -> list[MicroBatch]:
+        """Micro-batches of one minibatch, prefixes shared as :attr:`sharing` says."""
+        return build_minibatch(seqs, learner_cfg=self.lc, world=self.world, sharing=self.sharing)
 
     @property
     def term(self) -> int:
@@ -422,10 +442,7 @@ class Learner:
         started = time.perf_counter()
         seqs, metrics = self.sequences(batch)
         if seqs:
-            minibatches = [
-                build_minibatch(mb, learner_cfg=self.lc, world=self.world)
-                for mb in split_minibatches(seqs, self.lc.minibatches)
-            ]
+            minibatches = [self.pack(mb) for mb in split_minibatches(seqs, self.lc.minibatches)]
             if self.cores is not None:
                 metrics.torch_threads = float(self.cores.begin())
             result = optimise(

@@ -27,10 +27,12 @@ from sandpiper.trainer.packing import (
     TrainSequence,
     pack,
     pack_rows,
+    pack_shared,
     packed_logprobs,
     plan_rows,
     token_scales,
 )
+from sandpiper.trainer.prefix import Cluster, Sharing, share_clusters
 
 LossFn = Callable[[torch.Tensor, MicroBatch, torch.Tensor], tuple[torch.Tensor, LossStats]]
 """(logp_T with grad, micro-batch, logp_prox_T) -> (scalar loss, stats)."""
@@ -70,9 +72,19 @@ def _all_max(value: int, world: World) -> int:
 
 
 def build_minibatch(
-    seqs: Sequence[TrainSequence], *, learner_cfg: Any, world: World
+    seqs: Sequence[TrainSequence],
+    *,
+    learner_cfg: Any,
+    world: World,
+    sharing: Sharing | None = None,
 ) -> list[MicroBatch]:
-    """Pack this rank's share of one minibatch into micro-batches (padded across ranks)."""
+    """Pack this rank's share of one minibatch into micro-batches (padded across ranks).
+
+    ``sharing``: sequences that start alike (a GRPO group's prompt) are packed so that their
+    common prefix is computed once (``prefix.share_clusters``); None packs them unshared.
+    The learner passes one where ``learner.share_prefix`` is on and the model honours the
+    mask (``prefix.unsupported_reason``).
+    """
     scales = token_scales(
         seqs,
         mode=learner_cfg.loss_agg,
@@ -81,11 +93,36 @@ def build_minibatch(
         constant=learner_cfg.loss_constant,
     )
     pairs = list(zip(seqs, [c * world.world_size for c in scales], strict=True))
-    mine = shard(pairs, [len(s.token_ids_T) for s in seqs], world)
-    plan = plan_rows([len(s.token_ids_T) for s, _ in mine], learner_cfg.micro_batch_tokens)
-    micros = [pack_rows([[mine[i] for i in row] for row in rows], world.device) for rows in plan]
+    if sharing is not None:
+        micros = _shared_micros(pairs, learner_cfg.micro_batch_tokens, sharing, world)
+    else:
+        mine = shard(pairs, [len(s.token_ids_T) for s in seqs], world)
+        plan = plan_rows([len(s.token_ids_T) for s, _ in mine], learner_cfg.micro_batch_tokens)
+        micros = [pack_rows([[mine[i] for i in r] for r in rows], world.device) for rows in plan]
     while len(micros) < _all_max(len(micros), world):
         micros.append(pack([_PAD], [0.0], world.device))
+    return micros
+
+
+def _shared_micros(
+    pairs: Sequence[tuple[TrainSequence, float]], max_tokens: int, sharing: Sharing, world: World
+) -> list[MicroBatch]:
+    """Clusters of sequences sharing a prefix, sharded whole (a group's samples stay on one
+    rank) and packed into rows like sequences (a cluster is never split). A micro-batch with
+    nothing shared is packed exactly as without sharing."""
+    clusters = share_clusters([s.token_ids_T for s, _ in pairs], sharing)
+    mine: list[Cluster] = shard(clusters, [c.tokens for c in clusters], world)
+    micros = []
+    for rows in plan_rows([c.tokens for c in mine], max_tokens):
+        picked = [[mine[i] for i in row] for row in rows]
+        if all(len(c.members) == 1 for row in picked for c in row):
+            plain = [[pairs[c.members[0]] for c in row] for row in picked]
+            micros.append(pack_rows(plain, world.device))
+            continue
+        micros.append(pack_shared(
+            [[[pairs[m] for m in c.members] for c in row] for row in picked],
+            [[c.prefix for c in row] for row in picked], world.device,
+        ))  # fmt: skip
     return micros
 
 

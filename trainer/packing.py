@@ -5,6 +5,11 @@ every sequence, which is what tells transformers' attention (sdpa / flash) where
 boundaries are. The forward pass uses ``attention_mask=None`` and ``use_cache=False``:
 with a cache the packed logits are silently wrong (see PLATFORM.md).
 
+With ``learner.share_prefix`` the model runs on a shared layout instead (``pack_shared``,
+:mod:`sandpiper.trainer.prefix`): sequences that start alike hold their common prefix once,
+under a custom 4D attention mask; the per-token arrays below are still those of the
+unshared sequences, so the loss reads the same tokens in either case.
+
 Every per-token array here is aligned with the *token* it describes: ``logp_T[i]`` is the
 log-probability of ``input_ids[i]`` given the tokens before it in its own sequence. The
 first token of a sequence has no such probability; it is never in the loss.
@@ -13,7 +18,7 @@ first token of a sequence has no such probability; it is never in the loss.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 
 from sandpiper.errors import LearnerError
 from sandpiper.trainer.logprobs import NO_LOGITS, selected_logprobs, supports_chunked
+from sandpiper.trainer.prefix import SharedLayout, model_mask, shared_layout, unsupported_reason
 
 DEFAULT_LOGPROB_CHUNK_TOKENS = 1024
 """Loss tokens per output-layer chunk (``learner.logprob_chunk_tokens``' default)."""
@@ -80,10 +86,14 @@ class MicroBatch:
     temperature_T: torch.Tensor | None = None
     """(R*L,) float32 temperature each token is scored at; None = 1 everywhere (raw logits,
     no division)."""
+    shared: SharedLayout | None = None
+    """The model input when sequences share prefixes (``pack_shared``; R = 1 then, and the
+    row above is only what the loss reads); None = the model runs on ``input_ids``."""
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
+        """Tokens the model runs on (padding included)."""
+        return self.shared.num_tokens if self.shared else int(self.input_ids.numel())
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -194,6 +204,31 @@ def pack_rows(
     )
 
 
+def pack_shared(
+    rows: Sequence[Sequence[Sequence[tuple[TrainSequence, float]]]],
+    prefixes: Sequence[Sequence[int]],
+    device: torch.device | str = "cpu",
+) -> MicroBatch:
+    """Pack rows of clusters (``prefix.share_clusters``) into one micro-batch whose model
+    input computes each cluster's common prefix once.
+
+    ``rows[r][c]`` is cluster ``c`` of row ``r`` as (sequence, loss scale) pairs and
+    ``prefixes[r][c]`` the tokens its members share. The loss arrays are those of ``pack``
+    on the same sequences in the same order (one row, no padding); ``shared`` holds the
+    layout the model runs on.
+    """
+    flat = [pair for row in rows for cluster in row for pair in cluster]
+    micro = pack_rows([flat], device)
+    layout = shared_layout(
+        [
+            [([s.token_ids_T for s, _ in cluster], p) for cluster, p in zip(row, ps, strict=True)]
+            for row, ps in zip(rows, prefixes, strict=True)
+        ],
+        device,
+    )
+    return replace(micro, shared=layout)
+
+
 def _check_finite(
     behav_T: np.ndarray, mask_T: np.ndarray, seq_index_T: np.ndarray, seqs: Sequence[TrainSequence]
 ) -> None:
@@ -226,6 +261,8 @@ def packed_logprobs(
     """
     inner = getattr(model, "module", None)
     module: Any = inner if isinstance(inner, torch.nn.Module) else model
+    if micro.shared is not None:
+        return _shared_logprobs(model, module, micro, micro.shared, chunk_tokens)
     # Only tokens in the loss need a log-softmax over the vocabulary (prompt and tool tokens
     # are most of an agent's context): select them before the cross-entropy.
     needed = micro.loss_mask_T.view(micro.input_ids.shape)[:, 1:]
@@ -254,3 +291,37 @@ def packed_logprobs(
     next_logp = next_logp.masked_scatter(needed, picked)
     logp = torch.cat([next_logp.new_zeros(next_logp.shape[0], 1), next_logp], dim=1)
     return logp.reshape(-1)
+
+
+def _shared_logprobs(
+    model: torch.nn.Module, module: Any, micro: MicroBatch, layout: SharedLayout, chunk_tokens: int
+) -> torch.Tensor:
+    """``packed_logprobs`` of a micro-batch with a shared layout (one loss row): the model
+    runs on the layout, and each loss token is scored from the hidden state at the layout
+    position of its predecessor in its own sequence."""
+    reason = unsupported_reason(module)
+    if reason is not None:
+        raise LearnerError(f"learner.share_prefix: cannot share prefixes on this model: {reason}")
+    needed = micro.loss_mask_T.view(micro.input_ids.shape)[:, 1:]
+    targets = micro.input_ids[:, 1:][needed]
+    # loss row position j + 1 is predicted at position j (same sequence: position 0 of a
+    # sequence is never in the loss), held by the layout at source_T[j]
+    before = layout.source_T[:-1][needed[0]]
+    temperature = None
+    if micro.temperature_T is not None:
+        temperature = micro.temperature_T.view(micro.input_ids.shape)[:, 1:][needed]
+    inputs = dict(
+        input_ids=layout.input_ids, position_ids=layout.position_ids,
+        attention_mask=model_mask(layout, module), use_cache=False,
+    )  # fmt: skip
+    # every architecture prefix sharing accepts computes chunked logprobs (prefix.py)
+    out = model(**inputs, output_hidden_states=True, logits_to_keep=NO_LOGITS)
+    last = out.hidden_states[-1]
+    del out
+    hidden = last.reshape(-1, last.shape[-1])[before]
+    picked = selected_logprobs(
+        module.get_output_embeddings(), hidden, targets,
+        chunk_tokens=chunk_tokens, temperature_N=temperature,
+    )  # fmt: skip
+    logp = torch.zeros(micro.input_ids.numel(), dtype=picked.dtype, device=picked.device)
+    return logp.masked_scatter(micro.loss_mask_T, picked)

@@ -18,7 +18,7 @@ from sandpiper.store.step_metrics import StepMetrics
 from sandpiper.trainer.engine import broadcast_from_main
 from sandpiper.trainer.learner import Learner
 from sandpiper.trainer.loss import LossStats
-from sandpiper.trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
+from sandpiper.trainer.optimise import optimise, reduce_stats, split_minibatches
 from sandpiper.trainer.packing import MicroBatch, TrainSequence
 
 
@@ -64,10 +64,7 @@ def run_sft(learner: Learner) -> dict[str, float]:
 
     metrics = StepMetrics(sft_episodes=float(len(seqs)))
     if seqs:
-        minibatches = [
-            build_minibatch(mb, learner_cfg=learner.lc, world=learner.world)
-            for mb in split_minibatches(seqs, learner.lc.minibatches)
-        ]
+        minibatches = [learner.pack(mb) for mb in split_minibatches(seqs, learner.lc.minibatches)]
         # Every epoch re-reads the data; no importance weights, so no proximal pass needed.
         result = optimise(
             learner.engine,

@@ -78,6 +78,7 @@ class RunConfig(_Part):
             tracking=self.tracking,
             collector_heartbeat_ttl_s=self.collector.heartbeat_ttl_s,
             logprobs_mode=self.inference.logprobs_mode,
+            max_model_len=self.inference.max_model_len,
         )
 
     def _run_fields(self) -> dict[str, Any]:
@@ -142,3 +143,6 @@ class LearnerSettings(_Settings):
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """``inference.logprobs_mode``: processed sampling logprobs are scored at each group's
     sampling temperature, raw ones at 1 (the config refuses raw ones at any other)."""
+    max_model_len: int = Field(ge=16)
+    """``inference.max_model_len``: the longest sequence, so the longest row unshared packing
+    makes; rows of shared prefixes (``learner.share_prefix``) stay within it."""

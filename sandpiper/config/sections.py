@@ -470,6 +470,16 @@ class LearnerConfig(_Part):
     """Loss tokens whose logits are computed at a time (the output layer runs on chunks of
     this many selected hidden states; see docs/learner.md): peak logit memory is this times
     the vocabulary, not tokens times the vocabulary."""
+    share_prefix: bool = True
+    """Compute a group's shared prompt once: sequences that start with the same tokens (a
+    GRPO group's prompt) are laid out as the prefix once and each sample's continuation
+    after it, with an attention mask that lets every continuation see the prefix and itself
+    only (``trainer/prefix.py``). Logprobs and gradients equal the unshared computation's
+    (tested to 1e-5 in fp32). A group is shared only where a cost estimate from the model's
+    shape says the saved tokens outweigh the longer row's attention, in rows within
+    ``inference.max_model_len``; anything else is packed as without it. Needs a Llama, Qwen2
+    or Qwen3 model with sdpa or eager attention and no sliding-window layers; on any other
+    the learner logs why and packs unshared. Measured: docs/benchmarks.md."""
     torch_threads: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] | None = None
     """Torch's intra-op threads per rank. None: as the process started (``OMP_NUM_THREADS``);
     a number: that many; ``auto``: before each step, the cores the other processes left idle

@@ -96,6 +96,47 @@ def test_stale_samples_get_importance_weights(tmp_path, learner_tiny_model, worl
     assert metrics["kl/sampler_vs_learner"] > 0
 
 
+def test_shared_prefixes_train_the_same_step(tmp_path, learner_tiny_model, world, monkeypatch,
+                                            caplog):  # fmt: skip
+    """``share_prefix`` on and off give the same step (the groups' 30-token prompts are
+    computed once a row: rows stay within ``max_model_len``); a model whose attention would
+    ignore the mask falls back to unshared packing, with a log line."""
+    import logging
+
+    import tests.fixtures.learner as fixtures
+    from sandpiper.trainer.learner import Learner
+
+    monkeypatch.setattr(
+        fixtures,
+        "PROMPTS",
+        ([(7 * i) % 200 + 3 for i in range(30)], [(11 * i) % 190 + 5 for i in range(30)]),
+    )
+    metrics = {}
+    for share in (False, True):
+        cfg = make_config(tmp_path / str(share), learner_tiny_model, share_prefix=share)
+        store = MemoryStore()
+        learner = Learner(cfg.for_learner(), store, world)
+        assert (learner.sharing is not None) is share
+        store.write_groups(_groups(learner.engine.module, 2))
+        batch = store.claims.claim(run_id="lt", learner_id="x", n_groups=2, max_lag=2)
+        seqs, _ = learner.sequences(batch)
+        micros = learner.pack(seqs)
+        if share:
+            layouts = [m.shared for m in micros if m.shared is not None]
+            assert len(layouts) == len(micros)
+            assert max(layout.input_ids.shape[1] for layout in layouts) <= 64
+            assert sum(m.num_tokens for m in micros) < sum(len(s.token_ids_T) for s in seqs)
+        metrics[share] = learner.train_step(batch)
+        learner.close()
+    for key in ("loss/grad_norm", "is/w_mean", "is/w_min", "is/w_max", "loss/clipped_frac"):
+        assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-5, abs=1e-7), key
+
+    learner.engine.module.config._attn_implementation = "flash_attention_2"
+    with caplog.at_level(logging.WARNING, logger="sandpiper.trainer.learner"):
+        assert learner._sharing() is None
+    assert "packing unshared" in caplog.text and "flash_attention_2" in caplog.text
+
+
 def test_sft_registers_a_version_that_lowers_the_nll(tmp_path, learner_tiny_model, world):
     from sandpiper.trainer.learner import Learner
     from sandpiper.trainer.sft import run_sft
