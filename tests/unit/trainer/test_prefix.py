@@ -301,6 +301,10 @@ def test_clusters_form_only_where_sharing_is_cheaper() -> None:
 def test_sharing_refuses_a_model_that_would_ignore_the_mask() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from sandpiper.trainer.logprobs import CHUNKED_ARCHITECTURES
+    from sandpiper.trainer.prefix import SHARED_ARCHITECTURES
+
+    assert SHARED_ARCHITECTURES <= CHUNKED_ARCHITECTURES  # the shared path scores in chunks
     assert unsupported_reason(_llama()) is None
     flash = _llama()
     flash.config._attn_implementation = "flash_attention_2"
