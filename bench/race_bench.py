@@ -38,6 +38,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -172,8 +173,7 @@ def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str
         try:
             rc = proc.wait(timeout=settings.minutes * 60 * 2 + 600)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            rc = proc.wait()
+            rc = stop_group(proc)
         finally:
             cpu = sampler.stop()
     wall_s = time.time() - t0
@@ -203,6 +203,17 @@ def run_trl(spec: dict[str, Any], out: Path, settings: RaceSettings) -> dict[str
         "cpu_s": cpu,
         "cpu_profile": shares(trl_split(cpu, done), cores=cores(), wall_s=cpu["wall_s"]),
     }
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 120.0) -> int:
+    """Stop TRL's process group: SIGINT first (its ``finally`` removes its sandboxes, which
+    SIGKILL would leave running), SIGKILL after ``grace_s``; returns the exit status."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
 
 
 # --- main --------------------------------------------------------------------------------

@@ -482,3 +482,24 @@ def test_the_reasoning_gym_suite_is_named_by_family() -> None:
     )
     with pytest.raises(ValueError, match="--start"):
         teacher("reasoning-gym:leg_counting")
+
+
+def test_trl_side_is_stopped_with_sigint_first(tmp_path: Path) -> None:
+    """A TRL process past its time gets SIGINT (its cleanup runs), SIGKILL only when it
+    ignores that."""
+    import subprocess
+
+    done = tmp_path / "cleaned"
+    polite = ("import signal, sys, time\n"
+              "def bye(*_):\n"
+              f"    open({str(done)!r}, 'w').write('x'); sys.exit(1)\n"
+              "signal.signal(signal.SIGINT, bye)\nprint('ready', flush=True)\ntime.sleep(60)\n")  # fmt: skip
+    stubborn = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                "print('ready', flush=True)\ntime.sleep(60)\n")  # fmt: skip
+    for code in (polite, stubborn):
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                start_new_session=True)  # fmt: skip
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        rc = race.stop_group(proc, grace_s=2.0)
+        assert rc == (1 if code is polite else -9)
+    assert done.read_text() == "x"
