@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import secrets
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -143,9 +145,14 @@ def write_resolved(config: RunConfig | _Settings, run_dir: str | Path | None = N
     target = Path(run_dir) if run_dir is not None else config.run_dir
     target.mkdir(parents=True, exist_ok=True)
     out = target / "config.resolved.toml"
-    tmp = out.with_suffix(".tmp")
+    # Each writer its own temporary name: a collector and learners starting together write
+    # the same file, and a shared temporary name lets one's rename take the other's away.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     if isinstance(config, _Settings):
         config = RunConfig.model_validate_json(config.resolved_json)
-    tmp.write_text(to_toml(config))
-    tmp.replace(out)
+    try:
+        tmp.write_text(to_toml(config))
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out

@@ -118,3 +118,24 @@ def test_each_part_is_given_only_its_own_settings(tmp_path):
     # write_resolved from a part's settings writes the whole run's config.
     out = write_resolved(lea, tmp_path / "out")
     assert load_config(out) == cfg
+
+
+def test_writers_starting_together_do_not_take_each_others_file(tmp_path):
+    """A collector and learners starting at once all write ``config.resolved.toml``: with a
+    shared temporary name one writer's rename took the file another was about to rename
+    (FileNotFoundError at start-up, seen with two learners started together)."""
+    import multiprocessing
+
+    config = RunConfig.model_validate({"name": "r", "runs_dir": str(tmp_path)})
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(4) as pool:
+        outs = pool.starmap(_write_many, [(config, tmp_path)] * 8)
+    assert outs == [str(tmp_path / "config.resolved.toml")] * 8
+    assert [p.name for p in tmp_path.iterdir()] == ["config.resolved.toml"]
+    assert tomllib.loads((tmp_path / "config.resolved.toml").read_text())["name"] == "r"
+
+
+def _write_many(config, folder):
+    for _ in range(50):
+        out = write_resolved(config, folder)
+    return str(out)
