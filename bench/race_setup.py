@@ -373,11 +373,24 @@ def trl_config(
         "seed": settings.seed,
         "dataloader_num_workers": 0,
         "use_vllm": generation != "transformers",
+        **TRL_CPU_PRECISION,
     }
     if generation != "transformers":
         kwargs["vllm_mode"] = generation.removeprefix("vllm-")
         kwargs.update(TRL_VLLM_DEFAULTS)
     return kwargs
+
+
+TRL_CPU_PRECISION = {"bf16": False, "gradient_checkpointing": False}
+"""Set on both TRL paths: GRPOConfig's own defaults are bf16 autocast and gradient
+checkpointing on, which on this CPU make TRL's step 12 times slower (SmolLM2: 4.1 against
+49.4 tokens/s, bench/learner_bench.py); fp32 without checkpointing is TRL's fastest here and
+what Sandpiper's learner runs on CPU (``precision = "auto"``). Compared by the fairness rows."""
+
+
+def learner_precision_on_cpu(learner: Any) -> str:
+    """The precision Sandpiper's learner trains in on a CPU (``auto`` is fp32 there)."""
+    return "fp32" if learner.precision == "auto" else learner.precision
 
 
 # --- fairness ----------------------------------------------------------------------------
@@ -431,6 +444,10 @@ def fairness_rows(
         ("max completion tokens", c.max_episode_tokens, trl["max_completion_length"]),
         ("max tool rounds", c.max_turns - 1, trl["max_tool_calling_iterations"]),
         ("seed", sp.seed, trl["seed"]),
+        ("precision (CPU)", learner_precision_on_cpu(le),
+         "bf16" if trl.get("bf16", True) else "fp32"),  # GRPOConfig's default: bf16
+        ("gradient checkpointing", le.gradient_checkpointing,
+         trl.get("gradient_checkpointing", True)),
     ]  # fmt: skip
     return [FairnessRow(*row) for row in rows]
 

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import race_trl  # bench scripts import their siblings
 from race_profile import TOOL_PROGRAMS, process_cpu_s
+from race_setup import TRL_CPU_PRECISION
 
 TRL_VERSION = "1.16.0"
 RUN_LABEL = "sandpiper.race_trl_async"
@@ -90,7 +91,8 @@ def async_trl_config(settings: Any, *, output_dir: Path) -> dict[str, Any]:
     At most ``samples_per_step`` rollouts are in flight: the side's sandbox pool (TRL's auto
     value, ``max_staleness x samples_per_step``, would queue 128 rollouts on 32 sandboxes).
     Everything else is TRL's default: ``max_staleness=4``, ``weight_sync_steps=1``, float32
-    weights (served in float32 too, as TRL asks), bf16 autocast."""
+    weights (served in float32 too, as TRL asks). Not its bf16 autocast and checkpointing:
+    :data:`race_setup.TRL_CPU_PRECISION`."""
     return {
         "output_dir": str(output_dir),
         "use_cpu": True,
@@ -116,6 +118,7 @@ def async_trl_config(settings: Any, *, output_dir: Path) -> dict[str, Any]:
         "report_to": [],
         "seed": settings.seed,
         "dataloader_num_workers": 0,
+        **TRL_CPU_PRECISION,
         **ASYNC_FIXED,
     }
 
