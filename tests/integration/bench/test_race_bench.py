@@ -33,7 +33,7 @@ def test_a_short_race_writes_both_curves(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "race_bench.py"), "--minutes", "0.5",
-         "--eval-marks", "1", "--train-tasks", "8", "--heldout-tasks", "2",
+         "--eval-marks", "1", "--seeds", "1", "--train-tasks", "8", "--heldout-tasks", "2",
          "--runs-dir", str(runs), "--start", str(model), "--json"],
         capture_output=True, text=True, timeout=1800, cwd=REPO,
     )  # fmt: skip
@@ -43,7 +43,9 @@ def test_a_short_race_writes_both_curves(tmp_path: Path) -> None:
     assert {"trl_samples_per_hour", "sandpiper_samples_per_hour"} <= set(summary)
     result = json.loads((runs / "tiny-sum" / "race.json").read_text())
     for side in ("trl", "sandpiper"):
-        points = result["curves"][side]
+        (points,) = result["curves"][side].values()  # one seed
         assert [p["t_s"] for p in points] == [0.0, 30.0]
         assert points[0]["n_valid"] == 4  # 2 held-out tasks x 2 samples, real episodes
+        assert points[0]["n"] == 4 and {"lo", "hi", "interval"} <= set(points[0])
+        assert [p["t_s"] for p in result["mean_curves"][side]] == [0.0, 30.0]
     assert (runs / "tiny-sum" / "race.png").stat().st_size > 0
