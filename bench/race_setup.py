@@ -325,6 +325,35 @@ TRL_VLLM_DEFAULTS: dict[str, Any] = {
 that ``race.json`` records them; a unit test checks they are still TRL's defaults."""
 
 
+def trl_shared_kwargs(settings: RaceSettings, *, output_dir: Path) -> dict[str, Any]:
+    """The config fields both TRL trainers (GRPOTrainer, AsyncGRPOTrainer) take alike."""
+    return {
+        "output_dir": str(output_dir),
+        "use_cpu": True,
+        "num_generations": settings.group_size,
+        "per_device_train_batch_size": settings.samples_per_step,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": settings.lr,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": settings.weight_decay,
+        "max_grad_norm": settings.max_grad_norm,
+        "epsilon": settings.clip_eps_low,
+        "epsilon_high": settings.clip_eps_high,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "max_completion_length": settings.max_episode_tokens,
+        "max_tool_calling_iterations": settings.max_turns - 1,
+        "max_steps": 100_000,  # the wall-clock budget ends the run (a callback stops it)
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "report_to": [],
+        "seed": settings.seed,
+        "dataloader_num_workers": 0,
+        **TRL_CPU_PRECISION,
+    }
+
+
 def trl_config(
     settings: RaceSettings, *, output_dir: Path, generation: str = "transformers"
 ) -> dict[str, Any]:
@@ -345,35 +374,13 @@ def trl_config(
 
         return async_trl_config(settings, output_dir=output_dir)
     kwargs: dict[str, Any] = {
-        "output_dir": str(output_dir),
-        "use_cpu": True,
-        "num_generations": settings.group_size,
-        "per_device_train_batch_size": settings.samples_per_step,
-        "gradient_accumulation_steps": 1,
+        **trl_shared_kwargs(settings, output_dir=output_dir),
         "steps_per_generation": 1,
         "num_iterations": 1,
-        "learning_rate": settings.lr,
-        "lr_scheduler_type": "constant",
-        "warmup_steps": 0,
-        "weight_decay": settings.weight_decay,
-        "max_grad_norm": settings.max_grad_norm,
         "beta": settings.kl_coef,
-        "epsilon": settings.clip_eps_low,
-        "epsilon_high": settings.clip_eps_high,
         "scale_rewards": "group",
         "loss_type": "dapo",
-        "temperature": settings.temperature,
-        "top_p": settings.top_p,
-        "max_completion_length": settings.max_episode_tokens,
-        "max_tool_calling_iterations": settings.max_turns - 1,
-        "max_steps": 100_000,  # the wall-clock budget ends the run (a callback stops it)
-        "save_strategy": "no",
-        "logging_steps": 1,
-        "report_to": [],
-        "seed": settings.seed,
-        "dataloader_num_workers": 0,
         "use_vllm": generation != "transformers",
-        **TRL_CPU_PRECISION,
     }
     if generation != "transformers":
         kwargs["vllm_mode"] = generation.removeprefix("vllm-")

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import race_trl  # bench scripts import their siblings
 from race_profile import TOOL_PROGRAMS, process_cpu_s
-from race_setup import TRL_CPU_PRECISION
+from race_setup import trl_shared_kwargs
 
 TRL_VERSION = "1.16.0"
 RUN_LABEL = "sandpiper.race_trl_async"
@@ -94,31 +94,9 @@ def async_trl_config(settings: Any, *, output_dir: Path) -> dict[str, Any]:
     weights (served in float32 too, as TRL asks). Not its bf16 autocast and checkpointing:
     :data:`race_setup.TRL_CPU_PRECISION`."""
     return {
-        "output_dir": str(output_dir),
-        "use_cpu": True,
-        "num_generations": settings.group_size,
-        "per_device_train_batch_size": settings.samples_per_step,
-        "gradient_accumulation_steps": 1,
+        **trl_shared_kwargs(settings, output_dir=output_dir),
         "token_budget": 0,
         "max_inflight_tasks": settings.samples_per_step,
-        "learning_rate": settings.lr,
-        "lr_scheduler_type": "constant",
-        "warmup_steps": 0,
-        "weight_decay": settings.weight_decay,
-        "max_grad_norm": settings.max_grad_norm,
-        "epsilon": settings.clip_eps_low,
-        "epsilon_high": settings.clip_eps_high,
-        "temperature": settings.temperature,
-        "top_p": settings.top_p,
-        "max_completion_length": settings.max_episode_tokens,
-        "max_tool_calling_iterations": settings.max_turns - 1,
-        "max_steps": 100_000,  # the wall-clock budget ends the run (a callback stops it)
-        "save_strategy": "no",
-        "logging_steps": 1,
-        "report_to": [],
-        "seed": settings.seed,
-        "dataloader_num_workers": 0,
-        **TRL_CPU_PRECISION,
         **ASYNC_FIXED,
     }
 
