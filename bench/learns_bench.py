@@ -49,15 +49,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from race_setup import (  # noqa: E402  (bench scripts import their siblings)
-    MODELS,
-    RaceSettings,
-    import_reasoning_gym,
-    model_hash,
-    prepare_suite,
-    task_ids,
-)
+from race_setup import MODELS, RaceSettings, model_hash  # noqa: E402  (bench scripts import their siblings)
 from race_stats import Z95, t_interval, wilson  # noqa: E402  (one copy, also the race's)
+from race_suites import import_reasoning_gym, prepare_suite, task_ids  # noqa: E402
 from warm_start import TEACHERS, Teacher, sft_warm_start, teacher_record  # noqa: E402
 
 from sandpiper.errors import SandpiperError  # noqa: E402

@@ -59,15 +59,14 @@ from race_setup import (  # noqa: E402
     check_fair,
     fairness_rows,
     model_hash,
-    prepare_suite,
     refuse_shared_overrides,
     sandpiper_config,
     side_by_side,
-    task_ids,
     trl_config,
     with_overrides,
 )
 from race_start import start_checkpoint  # noqa: E402
+from race_suites import prepare_suite, task_ids  # noqa: E402
 
 
 def cores() -> int:

@@ -20,13 +20,12 @@ from typing import Any
 from race_setup import (
     CANONICAL_TOOL_LINE,
     REPO,
-    RG_PREFIX,
     RaceSettings,
     UnfairRace,
     canonical_tool_template,
     sandpiper_config,
-    task_ids,
 )
+from race_suites import RG_PREFIX, task_ids
 from warm_start import TEACHERS, sft_warm_start, teacher_record
 
 START_RECORD = "race_start.json"

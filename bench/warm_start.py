@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from race_setup import PEER_COMPUTE_COMMAND, PEER_PROBLEM, task_ids
+from race_suites import PEER_COMPUTE_COMMAND, PEER_PROBLEM, task_ids
 
 from sandpiper.errors import SandpiperError
 

@@ -25,21 +25,13 @@ import shutil
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from sandpiper.config import LearnerSettings
 from sandpiper.errors import LearnerError, NotLeaderError, PolicyConflictError, StoreError
-from sandpiper.store.records import (
-    Fence,
-    LeaseRecord,
-    PolicyRecord,
-    TrainBatch,
-    TrainEpisode,
-    TrainGroup,
-)
+from sandpiper.store.records import PolicyRecord, TrainBatch, TrainGroup
 from sandpiper.store.step_metrics import StepMetrics
 from sandpiper.trainer import ranks, resume
 from sandpiper.trainer.advantages import batch_advantages
@@ -67,6 +59,7 @@ from sandpiper.trainer.optimise import build_minibatch, optimise, reduce_stats, 
 from sandpiper.trainer.packing import MicroBatch, TrainSequence, packed_logprobs
 from sandpiper.trainer.prefix import Sharing, attention_tokens, unsupported_reason
 from sandpiper.trainer.retention import RetentionPolicy, prune_checkpoints
+from sandpiper.trainer.store_api import LearnerStore
 from sandpiper.trainer.threads import FollowIdleCores
 from sandpiper.trainer.tracking import Tracker
 
@@ -100,72 +93,6 @@ def score_temperature(group: TrainGroup, logprobs_mode: str) -> float:
     ``logits / temperature`` (what the tokens were sampled from), its raw ones of the logits
     (the config allows raw ones only at temperature 1, where the two agree)."""
     return group.temperature if logprobs_mode == "processed_logprobs" else 1.0
-
-
-class LearnerPolicies(Protocol):
-    """The part of ``store.policy_versions`` (``store/policies.py:PolicyVersions``) the
-    learner uses."""
-
-    def register(
-        self, policy: PolicyRecord, *, claim_id: str | None = None, metrics: dict | None = None,
-        fence: Fence | None = None,
-    ) -> None: ...  # fmt: skip
-
-    def latest(self, run_id: str) -> PolicyRecord | None: ...
-
-    def all(self, run_id: str) -> list[PolicyRecord]: ...
-
-    def oldest_in_flight(self, run_id: str) -> int | None: ...
-
-
-class LearnerLeases(Protocol):
-    """``store.leases`` (``store/leases.py:Leases``): the learner's leadership."""
-
-    def acquire(self, *, run_id: str, learner_id: str, lease_s: float) -> LeaseRecord: ...
-
-    def renew(self, fence: Fence, *, lease_s: float) -> LeaseRecord: ...
-
-    def release(self, fence: Fence) -> None: ...
-
-    def current(self, run_id: str) -> LeaseRecord | None: ...
-
-
-class LearnerClaims(Protocol):
-    """The part of ``store.claims`` (``store/claims.py:Claims``) the learner uses."""
-
-    def claim(
-        self, *, run_id: str, learner_id: str, n_groups: int, max_lag: int, lease_s: float = ...,
-        fence: Fence | None = None,
-    ) -> TrainBatch | None: ...  # fmt: skip
-
-    def release(self, claim_id: str, *, fence: Fence | None = None) -> None: ...
-
-    def sft_episodes(
-        self, *, run_id: str | None, min_reward: float, limit: int | None = None
-    ) -> list[TrainEpisode]: ...
-
-
-class CollectorVersions(Protocol):
-    """The part of ``store.slots`` (``store/slots.py:Slots``) checkpoint retention reads."""
-
-    def referenced_versions(self, *, run_id: str, within_s: float) -> set[int]: ...
-
-
-class LearnerStore(Protocol):
-    """The part of ``store.Store`` the learner uses, by room (``sandpiper.testing.MemoryStore``
-    implements it in memory for unit tests)."""
-
-    @property
-    def policy_versions(self) -> LearnerPolicies: ...
-
-    @property
-    def leases(self) -> LearnerLeases: ...
-
-    @property
-    def claims(self) -> LearnerClaims: ...
-
-    @property
-    def slots(self) -> CollectorVersions: ...
 
 
 def checkpoint_dir(cfg: LearnerSettings) -> Path:

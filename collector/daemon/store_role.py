@@ -1,5 +1,5 @@
 """What the collector process needs from the store, as Protocols (the learner's is
-:class:`sandpiper.trainer.learner.LearnerStore`), named by the store's rooms.
+:class:`sandpiper.trainer.store_api.LearnerStore`), named by the store's rooms.
 
 :class:`CollectorStore` is what the running :class:`~sandpiper.collector.daemon.core.Collector`
 calls: ``store.slots`` (claims, heartbeats, the stop), ``store.claims.group_counts`` and

@@ -188,6 +188,6 @@ class MemorySlots:
 
 
 if TYPE_CHECKING:  # mypy holds the fake to the Protocol the learner is typed with
-    from sandpiper.trainer.learner import LearnerStore
+    from sandpiper.trainer.store_api import LearnerStore
 
     _MEMORY_STORE: LearnerStore = MemoryStore()

@@ -31,6 +31,7 @@ def _load(name: str):
     return module
 
 
+suites = _load("race_suites")
 setup = _load("race_setup")
 stats = _load("race_stats")
 profile = _load("race_profile")
@@ -43,7 +44,7 @@ race_trl = _load("race_trl")
 @pytest.fixture
 def suite(tmp_path: Path):
     settings = setup.RaceSettings(train_tasks=6, heldout_tasks=3)
-    train, heldout = setup.prepare_suite(settings, tmp_path / "tasks")
+    train, heldout = suites.prepare_suite(settings, tmp_path / "tasks")
     start = tmp_path / "start"
     start.mkdir()
     (start / "model.safetensors").write_bytes(b"weights")
@@ -54,8 +55,8 @@ def suite(tmp_path: Path):
 
 def _rows(sp, trl, train: Path, start: Path, **change):
     kwargs = {
-        "sp_task_ids": setup.task_ids(Path(sp.collector.tasks)),
-        "trl_task_ids": setup.task_ids(train),
+        "sp_task_ids": suites.task_ids(Path(sp.collector.tasks)),
+        "trl_task_ids": suites.task_ids(train),
         "sp_model_hash": setup.model_hash(sp.learner.model),
         "trl_model_hash": setup.model_hash(start),
     }
@@ -176,7 +177,7 @@ def test_a_differing_setting_is_refused_by_name(suite, side, key, value, named) 
 
 def test_other_tasks_or_another_start_are_refused(suite, tmp_path: Path) -> None:
     _, train, _, start, sp, trl = suite
-    ids = setup.task_ids(train)
+    ids = suites.task_ids(train)
     with pytest.raises(setup.UnfairRace, match="train task ids"):
         setup.check_fair(_rows(sp, trl, train, start, trl_task_ids=ids[:-1]))
     other = tmp_path / "other"
@@ -203,16 +204,16 @@ def test_heldout_tasks_are_never_training_tasks(tmp_path: Path, suite_name: str)
     """Other ids and other content (numbers, questions) for every suite, whatever the run's
     seed (tasks come from ``task_seed``)."""
     settings = setup.RaceSettings(suite=suite_name, train_tasks=6, heldout_tasks=4, seed=3)
-    train, heldout = setup.prepare_suite(settings, tmp_path / "tasks")
-    train_ids, heldout_ids = set(setup.task_ids(train)), set(setup.task_ids(heldout))
+    train, heldout = suites.prepare_suite(settings, tmp_path / "tasks")
+    train_ids, heldout_ids = set(suites.task_ids(train)), set(suites.task_ids(heldout))
     assert len(train_ids) == 6 and heldout_ids and not train_ids & heldout_ids
     assert len(heldout_ids) <= 4  # the reasoning-gym importer drops a repeated question
     assert not _contents(train) & _contents(heldout)
-    assert setup.prepare_suite(settings, tmp_path / "tasks") == (train, heldout)  # kept
+    assert suites.prepare_suite(settings, tmp_path / "tasks") == (train, heldout)  # kept
 
 
 def test_peer_rows_are_the_peers_schema() -> None:
-    rows = setup.peer_rows("p", 2, seed=0)
+    rows = suites.peer_rows("p", 2, seed=0)
     assert set(rows[0]) == {"id", "problem_statement", "ground_truth", "domain", "input_files"}
     files = json.loads(rows[0]["input_files"])
     assert sum(map(int, files["numbers.txt"].split())) == int(rows[0]["ground_truth"])
@@ -241,7 +242,7 @@ def test_trl_environment_offers_sandpipers_tools_and_prompt(suite) -> None:
         )
     tasks = load_tasks(train)
     rows = race_trl.dataset_rows(sp, tasks, seed=0)
-    assert sorted(r["task_id"] for r in rows) == setup.task_ids(train)
+    assert sorted(r["task_id"] for r in rows) == suites.task_ids(train)
     row = rows[0]
     task = next(t for t in tasks if t.task_id == row["task_id"])
     assert row["prompt"] == [
@@ -390,8 +391,8 @@ def test_each_seed_gets_its_own_run_with_the_same_tasks_and_start(suite, tmp_pat
         assert Path(trl["output_dir"]) == tmp_path / f"seed{k}" / "trl"
         assert sp.learner.model == str(start) and sp.collector.tasks == str(train)
     # the tasks are the task seed's, whatever the run's seed
-    again, _ = setup.prepare_suite(dataclasses.replace(settings, seed=1), tmp_path / "tasks1")
-    assert setup.task_ids(again) == setup.task_ids(train)
+    again, _ = suites.prepare_suite(dataclasses.replace(settings, seed=1), tmp_path / "tasks1")
+    assert suites.task_ids(again) == suites.task_ids(train)
     assert sorted(p.read_text() for p in again.glob("*/files/numbers.txt")) == sorted(
         p.read_text() for p in train.glob("*/files/numbers.txt")
     )

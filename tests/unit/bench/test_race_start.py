@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
 import race_setup as setup
 import race_start
+import race_suites as suites
 
 PRODUCTS = "reasoning-gym:products"
 
@@ -61,7 +62,7 @@ def test_smollm2_starts_from_the_warm_start_made_once_on_the_race_prompt(
     tmp_path: Path, smollm2: Path, faked: list[dict]
 ) -> None:
     settings = _settings()
-    train, _ = setup.prepare_suite(settings, tmp_path / "tasks")
+    train, _ = suites.prepare_suite(settings, tmp_path / "tasks")
     original = (smollm2 / "chat_template.jinja").read_text()
     start = race_start.start_checkpoint(settings, tmp_path, train)
     (call,) = faked
@@ -94,7 +95,7 @@ def test_smollm2_starts_from_the_warm_start_made_once_on_the_race_prompt(
 
 def test_products_gets_the_products_teacher(tmp_path: Path, smollm2: Path, faked, monkeypatch):
     settings = _settings(PRODUCTS)
-    train, _ = setup.prepare_suite(_settings(), tmp_path / "tasks")  # any tasks: faked SFT
+    train, _ = suites.prepare_suite(_settings(), tmp_path / "tasks")  # any tasks: faked SFT
     race_start.start_checkpoint(settings, tmp_path, train)
     (call,) = faked
     from warm_start import TEACHERS, products_command
@@ -105,7 +106,7 @@ def test_products_gets_the_products_teacher(tmp_path: Path, smollm2: Path, faked
 
 def test_an_older_raw_smollm2_start_is_made_again(tmp_path: Path, smollm2: Path, faked) -> None:
     settings = _settings()
-    train, _ = setup.prepare_suite(settings, tmp_path / "tasks")
+    train, _ = suites.prepare_suite(settings, tmp_path / "tasks")
     shutil.copytree(smollm2, tmp_path / "start")  # what the harness before this one left
     race_start.start_checkpoint(settings, tmp_path, train)
     assert len(faked) == 1
@@ -114,7 +115,7 @@ def test_an_older_raw_smollm2_start_is_made_again(tmp_path: Path, smollm2: Path,
 
 def test_a_warm_start_on_another_prompt_is_refused(tmp_path: Path, smollm2: Path, faked) -> None:
     settings = _settings()
-    train, _ = setup.prepare_suite(settings, tmp_path / "tasks")
+    train, _ = suites.prepare_suite(settings, tmp_path / "tasks")
     base = race_start.tool_template_model(smollm2, tmp_path / "base")
     warm = setup.sandpiper_config(settings, start=base, tasks=train, runs_dir=tmp_path,
                                   name="warmstart")  # fmt: skip
@@ -132,7 +133,7 @@ def test_a_warm_start_on_another_prompt_is_refused(tmp_path: Path, smollm2: Path
 def test_a_family_without_a_teacher(tmp_path: Path, smollm2: Path, faked) -> None:
     """SmolLM2 starts raw (with the tool template); the tiny model is refused."""
     settings = _settings("reasoning-gym:leg_counting")
-    train, _ = setup.prepare_suite(_settings(), tmp_path / "tasks")
+    train, _ = suites.prepare_suite(_settings(), tmp_path / "tasks")
     start = race_start.start_checkpoint(settings, tmp_path, train)
     assert not faked
     assert setup.CANONICAL_TOOL_LINE in (start / "chat_template.jinja").read_text()

@@ -13,13 +13,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
 import race_setup as setup
+import race_suites as suites
 import race_trl
 
 
 @pytest.fixture
 def suite(tmp_path: Path):
     settings = setup.RaceSettings(train_tasks=6, heldout_tasks=3)
-    train, _ = setup.prepare_suite(settings, tmp_path / "tasks")
+    train, _ = suites.prepare_suite(settings, tmp_path / "tasks")
     sp = setup.sandpiper_config(settings, start=tmp_path, tasks=train, runs_dir=tmp_path, name="r")
     return train, sp
 
@@ -58,7 +59,7 @@ def test_sandbox_env_runs_the_task_with_sandpipers_toolbox_and_reward(suite) -> 
     race_trl.RUNTIME = runtime
     race_trl.TASKS.update({t.task_id: t for t in load_tasks(train)})
     try:
-        task_id = setup.task_ids(train)[0]
+        task_id = suites.task_ids(train)[0]
         solved, guessed, silent = (
             race_trl.SandboxEnv(),
             race_trl.SandboxEnv(),
@@ -88,7 +89,7 @@ def test_trl_side_scores_an_imported_reasoning_gym_task_with_its_scorer(tmp_path
     from sandpiper.collector.tasks.loading import load_tasks
 
     settings = setup.RaceSettings(suite="reasoning-gym:products", train_tasks=3, heldout_tasks=1)
-    train, _ = setup.prepare_suite(settings, tmp_path / "tasks")
+    train, _ = suites.prepare_suite(settings, tmp_path / "tasks")
     sp = setup.sandpiper_config(settings, start=tmp_path, tasks=train, runs_dir=tmp_path, name="r")
     tasks = load_tasks(train)
     task = tasks[0]

@@ -18,13 +18,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
 import race_setup as setup
+import race_suites as suites
 import race_trl_async as rta
 
 
 @pytest.fixture
 def configs(tmp_path: Path):
     settings = setup.RaceSettings(train_tasks=6, heldout_tasks=3)
-    train, _ = setup.prepare_suite(settings, tmp_path / "tasks")
+    train, _ = suites.prepare_suite(settings, tmp_path / "tasks")
     start = tmp_path / "start"
     start.mkdir()
     (start / "model.safetensors").write_bytes(b"weights")
@@ -36,8 +37,8 @@ def configs(tmp_path: Path):
 def test_async_config_passes_the_fairness_check(configs) -> None:
     """The race's shared settings reach the async trainer's config as they reach GRPOConfig."""
     settings, train, start, sp, trl = configs
-    rows = setup.fairness_rows(sp, trl, sp_task_ids=setup.task_ids(train),
-                               trl_task_ids=setup.task_ids(train),
+    rows = setup.fairness_rows(sp, trl, sp_task_ids=suites.task_ids(train),
+                               trl_task_ids=suites.task_ids(train),
                                sp_model_hash=setup.model_hash(start),
                                trl_model_hash=setup.model_hash(start))  # fmt: skip
     setup.check_fair(rows)

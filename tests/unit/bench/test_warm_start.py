@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
 import race_setup
+import race_suites as suites
 import warm_start
 
 from sandpiper.errors import SandpiperError
@@ -36,7 +37,7 @@ def test_one_teacher_episode_per_task_then_sft(tmp_path: Path, monkeypatch) -> N
     from sandpiper.demo import run as demo
 
     settings = race_setup.RaceSettings(train_tasks=5, heldout_tasks=2)
-    train, _ = race_setup.prepare_suite(settings, tmp_path / "tasks")
+    train, _ = suites.prepare_suite(settings, tmp_path / "tasks")
     model = tmp_path / "model"
     cfg = race_setup.sandpiper_config(settings, start=model, tasks=train, runs_dir=tmp_path,
                                       name="warmstart")  # fmt: skip
