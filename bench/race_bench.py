@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from race_eval import _free_port  # noqa: E402  (bench scripts import their siblings)
 from race_profile import CpuSampler, sandpiper_role, shares, trl_role, trl_split  # noqa: E402
-from race_report import SIDES, evaluate, flat_summary, report  # noqa: E402
+from race_report import SIDES, checkpoints_of, evaluate, flat_summary, report  # noqa: E402
 from race_setup import (  # noqa: E402
     TRL_GENERATION_PATHS,
     RaceSettings,
@@ -118,6 +118,32 @@ def run_sandpiper(cfg: Any, settings: RaceSettings, out: Path) -> dict[str, Any]
         "cpu_s": cpu,
         "cpu_profile": shares(cpu["by_role_s"], cores=cores(), wall_s=cpu["wall_s"]),
     }
+
+
+def prune_to_marks(side: str, seed: int, result: dict[str, Any], marks: list[float]) -> int:
+    """Delete the side's checkpoints that no eval mark reads (the newest one at or before
+    each mark stays, so any subset of the marks evaluates the same checkpoints later);
+    returns how many went. Sandpiper publishes every version (a SmolLM2 one is 0.65 GB,
+    about 40 in 10 minutes)."""
+    from race_eval import Checkpoint, at_marks
+
+    written = checkpoints_of(side, seed, result)
+    start = Checkpoint("start", "", 0.0, "start")
+    kept = {c.path for c in at_marks(written, marks, start)}
+    gone = [c.path for c in written if c.path not in kept and Path(c.path).is_dir()]
+    for path in gone:
+        shutil.rmtree(path)
+    return len(gone)
+
+
+def record_partial(out: Path, previous: dict[str, Any], seeds: dict[str, Any]) -> None:
+    """Write the sides run so far into the race JSON (``partial: true``), so that a run cut
+    off part-way keeps them: ``--resume`` skips them, ``--only`` reuses the other side's."""
+    merged = {**previous.get("seeds", {}), **seeds}
+    partial = {**previous, "partial": True, "seeds": merged}
+    tmp = out.with_suffix(".partial.tmp")
+    tmp.write_text(json.dumps(partial, indent=1, default=str))
+    tmp.replace(out)
 
 
 LEARNER_LINE = re.compile(r"policy v\d+: (\d+) tokens in [\d.]+ s \((\d+) tokens/s\)")
@@ -230,6 +256,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", choices=(*SIDES, "eval"),
                    help="rerun one side (every seed), or neither ('eval'), keeping the other "
                         "results; the evaluation always runs again")  # fmt: skip
+    p.add_argument("--resume", action="store_true",
+                   help="keep every side the race JSON already records (a run cut off "
+                        "part-way: each side is recorded as it ends) and run the rest")  # fmt: skip
     p.add_argument("--eval-marks", type=int, default=None,
                    help="evaluation points after the start (default: one a minute, "
                         "ceil(minutes))")  # fmt: skip
@@ -352,8 +381,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run = replace(settings, seed=k)
         folder = root / f"seed{k}"
         sides = dict(previous.get("seeds", {}).get(str(k), {}).get("sides", {}))
+        seeds[str(k)] = {"sides": sides}
         for side in SIDES:
             if args.only and side != args.only:
+                continue
+            if args.resume and side in sides:
+                print(f"--- seed {k}, {side}: recorded, kept (--resume)", flush=True)
                 continue
             print(f"--- seed {k}, {side}: {settings.minutes:g} min", flush=True)
             if side == "trl":
@@ -367,7 +400,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 sides["trl"] = run_trl(spec, folder / "trl", run)
             else:
                 sides["sandpiper"] = run_sandpiper(sp_cfg, run, folder)
-        seeds[str(k)] = {"sides": sides}
+                sides["sandpiper"]["pruned_checkpoints"] = prune_to_marks(
+                    "sandpiper", k, sides["sandpiper"], marks
+                )
+            record_partial(out, previous, seeds)
     curves = evaluate(settings, seeds, configs[0][0], start, heldout, root, marks)
     result = report(settings, seeds, curves, start, root, args.sandpiper_set)
     out.write_text(json.dumps(result, indent=1, default=str))

@@ -169,8 +169,11 @@ def sandpiper_config(
     from race_eval import _free_port
 
     cfg.inference.base_port = _free_port()
-    # every version stays on disk: the eval harness picks one per wall-clock mark
+    # every version stays on disk: the eval harness picks one per wall-clock mark (the bench
+    # then deletes those no mark reads); weights only, as TRL saves them: a SmolLM2 training
+    # state (fp32 weights and AdamW moments, 1.9 GB) with each of ~40 versions filled the disk
     le.checkpoint_retention = False
+    le.save_train_state = False
     return cfg
 
 

@@ -438,6 +438,62 @@ def test_only_reruns_one_side_of_every_seed_and_keeps_the_other(tmp_path: Path, 
                     for k in (0, 1)}  # fmt: skip
 
 
+def test_a_cut_off_race_keeps_each_finished_side_and_resume_runs_the_rest(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Each side is written to race.json as it ends (``partial``); a run that dies in a later
+    side keeps it, and ``--resume`` runs only the sides not recorded."""
+    root = tmp_path / "tiny-sum"
+    sp = SimpleNamespace(model_dump_json=lambda: "{}", sandbox=SimpleNamespace(pool_size=4))
+    configs = {k: (sp, {"seed": k}) for k in (0, 1)}
+    monkeypatch.setattr(race, "build", lambda *a, **k: (configs, tmp_path, tmp_path, tmp_path))
+    monkeypatch.setattr(race, "prune_to_marks", lambda *a: 0)
+    ran: list[tuple[str, int]] = []
+
+    def sandpiper_dies_in_seed_1(cfg, run, folder):
+        if run.seed == 1:
+            raise RuntimeError("disk full")
+        ran.append(("sandpiper", run.seed))
+        return {"versions": []}
+
+    monkeypatch.setattr(race, "run_trl", lambda spec, out, run: ran.append(("trl", run.seed))
+                        or {"steps": run.seed})  # fmt: skip
+    monkeypatch.setattr(race, "run_sandpiper", sandpiper_dies_in_seed_1)
+    args = ["--runs-dir", str(tmp_path), "--minutes", "1"]
+    with pytest.raises(RuntimeError, match="disk full"):
+        race.main(args)
+    recorded = json.loads((root / "race.json").read_text())
+    assert recorded["partial"] is True
+    assert set(recorded["seeds"]["0"]["sides"]) == {"trl", "sandpiper"}
+    assert set(recorded["seeds"]["1"]["sides"]) == {"trl"}
+
+    ran.clear()
+    monkeypatch.setattr(race, "run_sandpiper", lambda cfg, run, folder: ran.append(
+        ("sandpiper", run.seed)) or {"versions": []})  # fmt: skip
+    seen = {}
+    monkeypatch.setattr(race, "evaluate", lambda settings, seeds, *a: seen.update(seeds) or {})
+    monkeypatch.setattr(race, "report", lambda *a: {"summary": {}})
+    race.main([*args, "--resume"])
+    assert ran == [("sandpiper", 1)]
+    assert set(seen) == {"0", "1"} and seen["1"]["sides"]["trl"] == {"steps": 1}
+
+
+def test_only_the_checkpoints_an_eval_mark_reads_are_kept(tmp_path: Path) -> None:
+    folders = {v: tmp_path / f"v{v}" for v in range(1, 7)}
+    for folder in folders.values():
+        folder.mkdir()
+    times = {1: 20.0, 2: 50.0, 3: 70.0, 4: 100.0, 5: 115.0, 6: 130.0}
+    result = {"versions": [{"version": v, "t_s": times[v], "checkpoint": str(folders[v])}
+                           for v in folders]}  # fmt: skip
+    pruned = race.prune_to_marks("sandpiper", 0, result, [60.0, 120.0])
+    assert pruned == 4
+    assert sorted(v for v, f in folders.items() if f.is_dir()) == [2, 5]
+    # a subset of the marks reads the same checkpoints (--only eval --eval-marks fewer)
+    chosen = race_eval.at_marks(race_report.checkpoints_of("sandpiper", 0, result), [120.0],
+                                race_eval.Checkpoint("start", "s", 0.0, "start"))  # fmt: skip
+    assert chosen[0].path == str(folders[5])
+
+
 def test_sandpiper_overrides_go_through_the_configs_validation(suite) -> None:
     _, train, _, start, sp, trl = suite
     levers = setup.with_overrides(sp, ["learner.max_lag=3", "collector.max_unconsumed_groups=8"])
