@@ -133,6 +133,22 @@ def folder_bytes(folder: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
+def space_shortfall(folder: Path, need_bytes: float, *, what: str) -> str | None:
+    """Why ``need_bytes`` will not fit on ``folder``'s filesystem (with 5 % to spare), or
+    None. A full disk otherwise ends a checkpoint write half-way with a serialiser's error
+    (``unexpected pos ...``) that names neither the disk nor the fix."""
+    free = shutil.disk_usage(folder).free
+    if free >= need_bytes * 1.05:
+        return None
+    return (
+        f"not enough disk space for {what} in {folder}: it needs about "
+        f"{need_bytes / 1e9:.2f} GB (the last one wrote that), {free / 1e9:.2f} GB are free. "
+        "Free space there, keep fewer versions (learner.checkpoint_retention = true, "
+        "learner.checkpoint_keep_last), or save the training state less often "
+        "(learner.train_state_every) or not at all (learner.save_train_state = false)"
+    )
+
+
 def write_weights(
     model: Any,
     folder: Path,

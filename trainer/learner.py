@@ -31,7 +31,7 @@ import torch
 
 from sandpiper.config import LearnerSettings
 from sandpiper.errors import LearnerError, NotLeaderError, PolicyConflictError, StoreError
-from sandpiper.store.records import PolicyRecord, TrainBatch, TrainGroup
+from sandpiper.store.records import PolicyRecord, TrainBatch
 from sandpiper.store.step_metrics import StepMetrics
 from sandpiper.trainer import ranks, resume
 from sandpiper.trainer.advantages import batch_advantages
@@ -44,6 +44,7 @@ from sandpiper.trainer.checkpoint import (
     policy_folder_name,
     publish_dtype,
     save_checkpoint,
+    space_shortfall,
     temp_folder,
     write_weights,
 )
@@ -56,7 +57,7 @@ from sandpiper.trainer.engine import (
 from sandpiper.trainer.leadership import LeaseKeeper, new_learner_id, wait_for_leadership
 from sandpiper.trainer.loss import LossConfig, LossStats, grpo_loss
 from sandpiper.trainer.optimise import build_minibatch, optimise, reduce_stats, split_minibatches
-from sandpiper.trainer.packing import MicroBatch, TrainSequence, packed_logprobs
+from sandpiper.trainer.packing import MicroBatch, TrainSequence, packed_logprobs, score_temperature
 from sandpiper.trainer.prefix import Sharing, attention_tokens, unsupported_reason
 from sandpiper.trainer.retention import RetentionPolicy, prune_checkpoints
 from sandpiper.trainer.store_api import LearnerStore
@@ -85,14 +86,6 @@ def _written(metrics: StepMetrics, dtype: torch.dtype) -> str:
     weights = f"{str(dtype).removeprefix('torch.')} weights {_megabytes(total - (state or 0))}"
     parts = [weights] + ([f"train state {_megabytes(state)}"] if state is not None else [])
     return f"{_megabytes(total)} written ({', '.join(parts)})"
-
-
-def score_temperature(group: TrainGroup, logprobs_mode: str) -> float:
-    """The temperature the learner scores ``group``'s tokens at, so that its logprobs are of
-    the same distribution as the stored sampling logprobs: vLLM's processed logprobs are of
-    ``logits / temperature`` (what the tokens were sampled from), its raw ones of the logits
-    (the config allows raw ones only at temperature 1, where the two agree)."""
-    return group.temperature if logprobs_mode == "processed_logprobs" else 1.0
 
 
 def checkpoint_dir(cfg: LearnerSettings) -> Path:
@@ -140,6 +133,8 @@ class Learner:
             self._unsaved: Path | None = None
             """The latest version's folder, if this learner published it without a training
             state (:meth:`finish` adds one)."""
+            self._version_bytes: dict[bool, float] = {}
+            """Bytes the last version wrote, without and with the training state."""
             if state_dir is not None:
                 self._resume(state_dir, start_dir)
         except BaseException:
@@ -401,6 +396,13 @@ class Learner:
         weights = gather_state_dict(self.engine, dtype=self.publish_dtype, rank=self.world.rank)
         train_s = time.perf_counter() - started
         out = self.checkpoint_dir / policy_folder_name(new_version, self.term)
+        short = None
+        if self.world.is_main and with_state in self._version_bytes:
+            short = space_shortfall(self.checkpoint_dir, self._version_bytes[with_state],
+                                    what=f"policy v{new_version}")  # fmt: skip
+        short = broadcast_from_main(short, self.world)
+        if short is not None:  # every rank, before any writes: its claim goes back
+            raise LearnerError(short)
         tmp = broadcast_from_main(temp_folder(out) if self.world.is_main else None, self.world)
         if with_state:  # collective, first: the ranks are together here
             resume.save_train_state(self.engine, tmp, rank=self.world.rank)
@@ -455,6 +457,7 @@ class Learner:
         except LearnerError as e:
             return str(e)
         metrics.checkpoint_bytes = float(folder_bytes(out))
+        self._version_bytes[(out / resume.STATE_DIR).is_dir()] = metrics.checkpoint_bytes
         if (out / resume.STATE_DIR).is_dir():
             metrics.train_state_bytes = float(folder_bytes(out / resume.STATE_DIR))
         metrics.train_s = train_s

@@ -26,11 +26,20 @@ import torch
 import torch.nn.functional as F
 
 from sandpiper.errors import LearnerError
+from sandpiper.store.records import TrainGroup
 from sandpiper.trainer.logprobs import NO_LOGITS, selected_logprobs, supports_chunked
 from sandpiper.trainer.prefix import SharedLayout, model_mask, shared_layout, unsupported_reason
 
 DEFAULT_LOGPROB_CHUNK_TOKENS = 1024
 """Loss tokens per output-layer chunk (``learner.logprob_chunk_tokens``' default)."""
+
+
+def score_temperature(group: TrainGroup, logprobs_mode: str) -> float:
+    """The temperature the learner scores ``group``'s tokens at, so that its logprobs are of
+    the same distribution as the stored sampling logprobs: vLLM's processed logprobs are of
+    ``logits / temperature`` (what the tokens were sampled from), its raw ones of the logits
+    (the config allows raw ones only at temperature 1, where the two agree)."""
+    return group.temperature if logprobs_mode == "processed_logprobs" else 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -253,3 +253,47 @@ def test_auto_threads_follow_the_idle_cores_step_by_step(tmp_path, learner_tiny_
     finally:
         learner.close()
         torch.set_num_threads(start)
+
+
+def test_a_full_disk_stops_the_step_with_the_fix_before_writing(
+    tmp_path, learner_tiny_model, world, monkeypatch
+):
+    """With less free space than the last version wrote, the next step raises one clear
+    error before writing anything (a full disk otherwise ends in a serialiser's ``unexpected
+    pos``), registers nothing and leaves no half-written folder."""
+    import shutil as real_shutil
+
+    from sandpiper.errors import LearnerError
+    from sandpiper.trainer import checkpoint
+    from sandpiper.trainer.learner import Learner
+
+    cfg = make_config(tmp_path, learner_tiny_model, lr=1e-3)
+    store = MemoryStore()
+    learner = Learner(cfg.for_learner(), store, world)
+    try:
+        store.write_groups(_groups(learner.engine.module, 2))
+        batch = store.claims.claim(run_id="lt", learner_id="x", n_groups=2, max_lag=100)
+        learner.train_step(batch)
+        before = sorted(p.name for p in learner.checkpoint_dir.iterdir())
+        usage = real_shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                            lambda path: usage._replace(free=1_000_000))  # fmt: skip
+        store.write_groups(_groups(learner.engine.module, 2, version=1, start=2))
+        batch = store.claims.claim(run_id="lt", learner_id="x", n_groups=2, max_lag=100)
+        with pytest.raises(LearnerError, match=r"not enough disk space for policy v2 .*0\.00 GB"):
+            learner.train_step(batch)
+        assert [p.version for p in store.registered] == [0, 1]
+        assert sorted(p.name for p in learner.checkpoint_dir.iterdir()) == before
+    finally:
+        learner.close()
+
+
+def test_space_shortfall_names_the_need_the_free_space_and_the_fixes(tmp_path, monkeypatch):
+    from sandpiper.trainer import checkpoint
+
+    usage = checkpoint.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=2e9))
+    assert checkpoint.space_shortfall(tmp_path, 1.5e9, what="policy v3") is None
+    why = checkpoint.space_shortfall(tmp_path, 2.0e9, what="policy v3")  # 5 % to spare
+    assert why is not None and "2.00 GB" in why and "policy v3" in why
+    assert "checkpoint_retention" in why and "save_train_state" in why
