@@ -102,11 +102,14 @@ def value_text(record: dict[str, Any], unit: str) -> str:
 
 
 def rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, str]]:
-    """(bench, key, goal, last value) per declared key, in table order."""
+    """(bench, key, goal, last value) per declared key, in table order; a key marked
+    ``history`` (a measurement since replaced, its records kept) is left out."""
     out = []
     for data in results.values():
         name = Path(data["bench"]).name
         for entry in data["keys"]:
+            if entry.get("history"):
+                continue
             matching = [
                 r for r in data["records"]
                 if r["key"] == entry["key"] and r.get("args", "") == entry["args"]

@@ -133,3 +133,12 @@ def test_a_malformed_results_file_is_named(tmp_path: Path) -> None:
     (tmp_path / "bad_bench.json").write_text('{"keys": []}')
     with pytest.raises(report.ResultsError, match=r"bad_bench\.json"):
         report.load(tmp_path)
+
+
+def test_a_key_marked_history_leaves_the_table_and_keeps_its_records() -> None:
+    results = {"x": {"bench": "bench/x_bench.py", "records": [
+        {"key": "old", "args": "", "value": 1.0}, {"key": "new", "args": "", "value": 2.0}],
+        "keys": [{"key": "old", "args": "", "unit": "", "goal": None, "history": "replaced"},
+                 {"key": "new", "args": "", "unit": "", "goal": None}]}}  # fmt: skip
+    table = report.markdown(results)
+    assert "`new`" in table and "`old`" not in table
