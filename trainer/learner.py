@@ -457,8 +457,9 @@ class Learner:
         except LearnerError as e:
             return str(e)
         metrics.checkpoint_bytes = float(folder_bytes(out))
-        self._version_bytes[(out / resume.STATE_DIR).is_dir()] = metrics.checkpoint_bytes
-        if (out / resume.STATE_DIR).is_dir():
+        with_state = (out / resume.STATE_DIR).is_dir()
+        self._version_bytes[with_state] = metrics.checkpoint_bytes
+        if with_state:
             metrics.train_state_bytes = float(folder_bytes(out / resume.STATE_DIR))
         metrics.train_s = train_s
         metrics.step_s = step_s = time.perf_counter() - started
